@@ -1,0 +1,8 @@
+# Warnings are errors on project code only (third-party headers are SYSTEM includes).
+function(qkvshare_warnings target)
+  target_compile_options(${target} PRIVATE
+    -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wcast-align
+    -Woverloaded-virtual -Wimplicit-fallthrough -Werror
+    # GCC 12 reports false stringop-overflow in inlined std::vector copies at -O3 (GCC bug 107138).
+    -Wno-stringop-overflow)
+endfunction()

@@ -1,0 +1,34 @@
+#pragma once
+// A read-only memory mapping of a whole file. Model weights are used in place
+// from this mapping (DESIGN.md rule 2); nothing copies them.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace qkvshare {
+
+class MappedFile {
+ public:
+  MappedFile() = default;
+  // Throws Error(io) naming the path when the file cannot be opened or mapped.
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&& other) noexcept;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const std::uint8_t* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+  std::span<const std::uint8_t> bytes() const noexcept { return {data_, size_}; }
+  const std::string& path() const noexcept { return path_; }
+
+ private:
+  void reset() noexcept;
+  std::string path_;
+  const std::uint8_t* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace qkvshare

@@ -1,0 +1,64 @@
+#pragma once
+// The forward pass: batched prefill and one-token decode for any number of
+// sessions over one shared, read-only Model.
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "qkvshare/core/thread_pool.hpp"
+#include "qkvshare/kv/kv_cache.hpp"
+#include "qkvshare/model/model.hpp"
+
+namespace qkvshare {
+
+// An agent's live decoding state: the tokens so far and the KV cache holding them.
+class Session {
+ public:
+  explicit Session(std::unique_ptr<KvCache> cache) : cache_(std::move(cache)) {}
+  KvCache& cache() noexcept { return *cache_; }
+  const KvCache& cache() const noexcept { return *cache_; }
+  const std::vector<TokenId>& tokens() const noexcept { return tokens_; }
+  int n_past() const noexcept { return static_cast<int>(tokens_.size()); }
+
+ private:
+  friend class Engine;
+  std::unique_ptr<KvCache> cache_;
+  std::vector<TokenId> tokens_;
+};
+
+struct EngineOptions {
+  int n_threads = 0;     // 0: all hardware threads
+  int max_batch = 256;   // tokens per forward chunk (bounds scratch memory)
+};
+
+class Engine {
+ public:
+  explicit Engine(const Model& model, EngineOptions options = {});
+
+  const Model& model() const noexcept { return model_; }
+  ThreadPool& pool() noexcept { return pool_; }
+  KvShape kv_shape() const noexcept;
+
+  // A session with a dense f32 cache of `capacity` tokens (0: the model's context length).
+  std::unique_ptr<Session> new_session(int capacity = 0) const;
+
+  // Appends `tokens` to the session (one batched pass per max_batch chunk) and
+  // returns the logits of the last token, or of every token when all_logits
+  // ([n][vocab]). Throws Error(context_full) when the tokens do not fit, before
+  // anything is written; Error(invalid_argument) for an out-of-range token id.
+  std::span<const float> forward(Session& session, std::span<const TokenId> tokens, bool all_logits = false);
+
+ private:
+  void forward_chunk(Session& session, std::span<const TokenId> tokens, bool all_logits, float* logits_out);
+  void ensure_scratch(int n);
+
+  const Model& model_;
+  EngineOptions options_;
+  ThreadPool pool_;
+  std::vector<float> inv_freq_;
+  // Scratch, sized for max_batch tokens.
+  std::vector<float> x_, xb_, q_, k_, v_, att_, gate_, up_, logits_;
+  int scratch_tokens_ = 0;
+};
+
+}  // namespace qkvshare

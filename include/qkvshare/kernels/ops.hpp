@@ -1,0 +1,27 @@
+#pragma once
+// Elementwise and reduction kernels of the forward pass.
+#include <cstdint>
+
+namespace qkvshare::kernels {
+
+enum class RopeStyle {
+  interleaved,  // rotate pairs (2i, 2i+1): llama2.c, GGUF `llama` (ggml "normal" mode)
+  neox,         // rotate pairs (i, i + d/2): GGUF `qwen2` (ggml "neox" mode)
+};
+
+float dot_f32(const float* a, const float* b, std::int64_t n);
+// out = x * w / rms(x); out may alias x.
+void rmsnorm(float* out, const float* x, const float* w, std::int64_t n, float eps);
+// Rotates each head of x (n_heads * head_dim floats) for position pos.
+// inv_freq holds head_dim/2 frequencies theta^(-2i/head_dim).
+void rope(float* x, int n_heads, int head_dim, float pos, const float* inv_freq, RopeStyle style);
+// In place; returns nothing, handles -inf entries.
+void softmax(float* x, std::int64_t n);
+// gate = silu(gate) * up
+void silu_mul(float* gate, const float* up, std::int64_t n);
+// y += x
+void add_inplace(float* y, const float* x, std::int64_t n);
+// y += a * x
+void axpy(float* y, float a, const float* x, std::int64_t n);
+
+}  // namespace qkvshare::kernels

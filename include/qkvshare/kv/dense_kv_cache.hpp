@@ -1,0 +1,34 @@
+#pragma once
+// Dense f32 KV cache: the reference storage the quantized pool is checked
+// against. K and V are [layer][token][kv_dim].
+#include <vector>
+
+#include "qkvshare/kv/kv_cache.hpp"
+
+namespace qkvshare {
+
+class DenseKvCache final : public KvCache {
+ public:
+  DenseKvCache(const KvShape& shape, int capacity);
+
+  const KvShape& shape() const noexcept override { return shape_; }
+  int size() const noexcept override { return size_; }
+  int capacity() const noexcept override { return capacity_; }
+  void write(int layer, int n, const float* k, const float* v) override;
+  void attend(int layer, int n, const float* q, float* out, ThreadPool& pool) override;
+  void commit(int n) override;
+
+  const float* keys(int layer, int token) const;
+  const float* values(int layer, int token) const;
+
+ private:
+  float* k_at(int layer, int token);
+  float* v_at(int layer, int token);
+  KvShape shape_;
+  int capacity_;
+  int size_ = 0;
+  std::vector<float> k_;
+  std::vector<float> v_;
+};
+
+}  // namespace qkvshare

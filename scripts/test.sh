@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The README's second command, and what CI runs: install, build, fetch the
+# default model, run the whole suite, then the ASan+UBSan build of the C++ tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install_deps.sh
+scripts/build.sh
+if model=$(scripts/fetch_model.sh); then
+  export QKVSHARE_MODEL="$model"
+else
+  echo "*** WARNING: the default model could not be fetched; SmolLM2 tests will be SKIPPED. ***" >&2
+fi
+echo "[test] release build: full suite" >&2
+ctest --test-dir build --output-on-failure -j "$(nproc)"
+echo "[test] ASan+UBSan build: C++ tests" >&2
+BUILD_DIR=build-asan BUILD_TYPE=Debug scripts/build.sh -DQKVSHARE_SANITIZE=ON -DQKVSHARE_BUILD_BENCH=OFF
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE "reference|slow"

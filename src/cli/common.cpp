@@ -1,0 +1,53 @@
+#include "common.hpp"
+
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+
+#include "qkvshare/core/error.hpp"
+
+namespace qkvshare::cli {
+
+void add_model_args(CLI::App& cmd, ModelArgs& args) {
+  cmd.add_option("-m,--model", args.model_path, "Model file: GGUF, or a llama2.c checkpoint")->required();
+  cmd.add_option("-t,--tokenizer", args.tokenizer_path, "Tokenizer file (llama2.c checkpoints only)");
+  cmd.add_option("--threads", args.threads, "Worker threads (0: all cores)")->check(CLI::Range(0, 1024));
+}
+
+std::unique_ptr<Model> load_model(const ModelArgs& args) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto model = Model::load(args.model_path, args.tokenizer_path);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const ModelConfig& c = model->config();
+  std::fprintf(stderr, "loaded %s (%s, %d layers, d_model %d, vocab %d, %.1f MiB weights) in %.3f s\n",
+               args.model_path.c_str(), c.architecture.c_str(), c.n_layers, c.d_model, c.vocab_size,
+               static_cast<double>(model->weight_bytes()) / (1024.0 * 1024.0), s);
+  return model;
+}
+
+std::vector<TokenId> parse_ids(const std::string& text) {
+  std::vector<TokenId> ids;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    std::size_t end = text.find(',', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(pos, end - pos);
+    TokenId v = 0;
+    const auto [p, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (item.empty() || ec != std::errc() || p != item.data() + item.size())
+      fail(ErrorCode::invalid_argument, "--ids: '{}' is not a token id (expected e.g. 1,2,3)", item);
+    ids.push_back(v);
+    pos = end + 1;
+  }
+  return ids;
+}
+
+std::vector<TokenId> encode_prompt(const Tokenizer& tok, const std::string& text, bool special) {
+  std::vector<TokenId> ids;
+  if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+  const auto body = tok.encode(text, special);
+  ids.insert(ids.end(), body.begin(), body.end());
+  return ids;
+}
+
+}  // namespace qkvshare::cli

@@ -1,0 +1,31 @@
+#pragma once
+// Shared pieces of the qkvshare subcommands.
+#include <CLI/CLI.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "qkvshare/model/model.hpp"
+
+namespace qkvshare::cli {
+
+struct ModelArgs {
+  std::string model_path;
+  std::string tokenizer_path;
+  int threads = 0;
+};
+
+// -m MODEL, -t TOKENIZER, --threads N
+void add_model_args(CLI::App& cmd, ModelArgs& args);
+// Loads the model, reporting the load time on stderr.
+std::unique_ptr<Model> load_model(const ModelArgs& args);
+// "1,2,3" -> ids; throws Error(invalid_argument) naming the bad item.
+std::vector<TokenId> parse_ids(const std::string& text);
+// The prompt's ids: BOS when the model wants it, then the text (special tokens parsed when `special`).
+std::vector<TokenId> encode_prompt(const Tokenizer& tok, const std::string& text, bool special);
+
+void register_generate(CLI::App& app);
+void register_inspect(CLI::App& app);
+
+}  // namespace qkvshare::cli

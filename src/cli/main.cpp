@@ -1,0 +1,27 @@
+// qkvshare: the command-line entry point. Every qkvshare::Error ends here as
+// "error: <message>" on stderr and exit status 1; usage errors exit with 2.
+#include <cstdio>
+#include <exception>
+
+#include "common.hpp"
+#include "qkvshare/core/error.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"QKVShare: multi-agent LLM inference with shared, quantized KV caches"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "qkvshare 0.1.0");
+  qkvshare::cli::register_generate(app);
+  qkvshare::cli::register_inspect(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const qkvshare::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

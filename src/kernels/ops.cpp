@@ -1,0 +1,77 @@
+#include "qkvshare/kernels/ops.hpp"
+
+#include <cmath>
+#include <limits>
+
+namespace qkvshare::kernels {
+
+float dot_f32(const float* a, const float* b, std::int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (std::int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+void rmsnorm(float* out, const float* x, const float* w, std::int64_t n, float eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (std::int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  ss /= static_cast<float>(n);
+  ss += eps;
+  const float scale = 1.0f / std::sqrt(ss);
+  for (std::int64_t i = 0; i < n; ++i) out[i] = w[i] * (scale * x[i]);
+}
+
+void rope(float* x, int n_heads, int head_dim, float pos, const float* inv_freq, RopeStyle style) {
+  const int half = head_dim / 2;
+  for (int h = 0; h < n_heads; ++h) {
+    float* v = x + static_cast<std::int64_t>(h) * head_dim;
+    for (int i = 0; i < half; ++i) {
+      const float angle = pos * inv_freq[i];
+      const float c = std::cos(angle);
+      const float s = std::sin(angle);
+      const int a = style == RopeStyle::interleaved ? 2 * i : i;
+      const int b = style == RopeStyle::interleaved ? 2 * i + 1 : i + half;
+      const float v0 = v[a];
+      const float v1 = v[b];
+      v[a] = v0 * c - v1 * s;
+      v[b] = v0 * s + v1 * c;
+    }
+  }
+}
+
+void softmax(float* x, std::int64_t n) {
+  if (n <= 0) return;
+  float max = -std::numeric_limits<float>::infinity();
+  for (std::int64_t i = 0; i < n; ++i) max = x[i] > max ? x[i] : max;
+  if (std::isinf(max) && max < 0) {  // every entry masked: a uniform distribution is the safe answer
+    for (std::int64_t i = 0; i < n; ++i) x[i] = 1.0f / static_cast<float>(n);
+    return;
+  }
+  float sum = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  const float inv = 1.0f / sum;
+  for (std::int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+void silu_mul(float* gate, const float* up, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void add_inplace(float* y, const float* x, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void axpy(float* y, float a, const float* x, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace qkvshare::kernels

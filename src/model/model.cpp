@@ -1,0 +1,83 @@
+#include "qkvshare/model/model.hpp"
+
+#include <cstring>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/model/gguf.hpp"
+
+namespace qkvshare {
+
+Model::Model() = default;
+Model::~Model() = default;
+
+std::unique_ptr<Model> Model::load(const std::string& path, const std::string& tokenizer_path) {
+  MappedFile probe(path);
+  const bool is_gguf = probe.size() >= 4 && std::memcmp(probe.data(), "GGUF", 4) == 0;
+  probe = MappedFile();
+  std::unique_ptr<Model> model = is_gguf ? load_gguf(path) : load_llama2c(path, tokenizer_path);
+  model->validate();
+  return model;
+}
+
+std::size_t Model::weight_bytes() const noexcept {
+  std::size_t total = weights_.output.nbytes + weights_.output_norm.nbytes;
+  for (const auto& l : weights_.layers)
+    total += l.attn_norm.nbytes + l.wq.nbytes + l.wk.nbytes + l.wv.nbytes + l.wo.nbytes + l.ffn_norm.nbytes +
+             l.w_gate.nbytes + l.w_up.nbytes + l.w_down.nbytes;
+  return total;
+}
+
+namespace {
+
+void expect_shape(const std::string& path, const TensorView& t, std::int64_t cols, std::int64_t rows) {
+  if (t.cols() != cols || t.rows() != rows)
+    fail(ErrorCode::bad_model_file, "{}: tensor '{}': shape [{} x {}] does not fit the architecture (want [{} x {}])",
+         path, t.name, t.cols(), t.rows(), cols, rows);
+}
+
+void expect_matrix(const std::string& path, const TensorView& t, std::int64_t cols, std::int64_t rows) {
+  expect_shape(path, t, cols, rows);
+  if (!is_supported_weight_type(t.type))
+    fail(ErrorCode::bad_model_file, "{}: tensor '{}': weight type {} is not supported", path, t.name,
+         type_name(t.type));
+}
+
+void expect_vector(const std::string& path, const TensorView& t, std::int64_t n) {
+  expect_shape(path, t, n, 1);
+  if (t.type != GgmlType::F32)
+    fail(ErrorCode::bad_model_file, "{}: tensor '{}': must be F32, is {}", path, t.name, type_name(t.type));
+}
+
+}  // namespace
+
+void Model::validate() const {
+  const ModelConfig& c = config_;
+  const auto& w = weights_;
+  if (static_cast<int>(w.layers.size()) != c.n_layers)
+    fail(ErrorCode::bad_model_file, "{}: has {} layers of weights, header says {}", path_, w.layers.size(), c.n_layers);
+  expect_matrix(path_, w.token_embedding, c.d_model, c.vocab_size);
+  expect_vector(path_, w.output_norm, c.d_model);
+  expect_matrix(path_, w.output, c.d_model, c.vocab_size);
+  for (const LayerWeights& l : w.layers) {
+    expect_vector(path_, l.attn_norm, c.d_model);
+    expect_matrix(path_, l.wq, c.d_model, c.q_dim());
+    expect_matrix(path_, l.wk, c.d_model, c.kv_dim());
+    expect_matrix(path_, l.wv, c.d_model, c.kv_dim());
+    expect_matrix(path_, l.wo, c.q_dim(), c.d_model);
+    expect_vector(path_, l.ffn_norm, c.d_model);
+    expect_matrix(path_, l.w_gate, c.d_model, c.d_ff);
+    expect_matrix(path_, l.w_up, c.d_model, c.d_ff);
+    expect_matrix(path_, l.w_down, c.d_ff, c.d_model);
+    if (c.qkv_bias) {
+      if (!l.bq || !l.bk || !l.bv) fail(ErrorCode::bad_model_file, "{}: {} needs Q/K/V biases", path_, c.architecture);
+      expect_vector(path_, *l.bq, c.q_dim());
+      expect_vector(path_, *l.bk, c.kv_dim());
+      expect_vector(path_, *l.bv, c.kv_dim());
+    }
+  }
+  if (tokenizer_->vocab_size() != c.vocab_size)
+    fail(ErrorCode::bad_model_file, "{}: tokenizer has {} tokens, model vocabulary is {}", path_,
+         tokenizer_->vocab_size(), c.vocab_size);
+}
+
+}  // namespace qkvshare

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every bad input to the CLI ends with a clear message and a non-zero exit,
+# never a crash (exit codes >= 128 are signals).
+set -u
+CLI="$1"
+SHARED="$2"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+passes=0
+
+# expect_error EXPECTED_SUBSTRING -- ARGS...
+expect_error() {
+  local want="$1"; shift
+  local out rc
+  out=$("$CLI" "$@" 2>&1 >/dev/null); rc=$?
+  if [ $rc -eq 0 ] || [ $rc -ge 128 ]; then
+    echo "FAIL: exit $rc for: $*"; echo "$out" | head -5; fails=$((fails+1)); return
+  fi
+  if ! grep -qF -- "$want" <<<"$out"; then
+    echo "FAIL: message for '$*' lacks '$want':"; echo "$out" | head -5; fails=$((fails+1)); return
+  fi
+  passes=$((passes+1))
+}
+
+S="$SHARED/models/stories260K.bin"
+T="$SHARED/models/tok512.bin"
+printf 'GGUF\x03\x00\x00\x00' > "$tmp/short.gguf"
+head -c 1000 "$S" > "$tmp/truncated.bin"
+printf 'hello' > "$tmp/tiny.bin"
+head -c 100 "$T" > "$tmp/truncated_tok.bin"
+
+expect_error "missing.gguf" generate -m "$tmp/missing.gguf" -p hi
+expect_error "short.gguf" generate -m "$tmp/short.gguf" -p hi
+expect_error "truncated.bin" generate -m "$tmp/truncated.bin" -t "$T" -p hi
+expect_error "tiny.bin" generate -m "$tmp/tiny.bin" -p hi
+expect_error "-t TOKENIZER" generate -m "$S" -p hi
+expect_error "truncated_tok.bin" generate -m "$S" -t "$tmp/truncated_tok.bin" -p hi
+expect_error "top-p" generate -m "$S" -t "$T" -p hi --top-p 2
+expect_error "temperature" generate -m "$S" -t "$T" -p hi --temp -1
+expect_error "context length" generate -m "$S" -t "$T" -p "Once upon a time there was a girl" --ctx 4
+expect_error "--ids" logits -m "$S" -t "$T" --ids 1,x,3
+expect_error "outside the vocabulary" logits -m "$S" -t "$T" --ids 1,99999
+expect_error "prompt" generate -m "$S" -t "$T"
+expect_error "new-tokens" generate -m "$S" -t "$T" -p hi -n -5
+expect_error "subcommand" nosuchcommand
+expect_error "nonexistent" generate -m "$S" -t "$T" -p hi --nonexistent-flag
+
+# --help works on every command.
+for cmd in "" generate tokenize logits; do
+  if ! "$CLI" $cmd --help >/dev/null 2>&1; then echo "FAIL: '$cmd --help' failed"; fails=$((fails+1)); else passes=$((passes+1)); fi
+done
+
+echo "$passes passed, $fails failed"
+[ $fails -eq 0 ]

@@ -1,0 +1,89 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/engine/engine.hpp"
+#include "test_paths.hpp"
+
+namespace qkvshare {
+namespace {
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = Model::load(testing::shared_path("models/stories260K.bin"), testing::shared_path("models/tok512.bin"));
+  }
+  std::vector<TokenId> prompt(const std::string& text) const {
+    std::vector<TokenId> ids{model_->tokenizer().bos_id()};
+    const auto body = model_->tokenizer().encode(text);
+    ids.insert(ids.end(), body.begin(), body.end());
+    return ids;
+  }
+  std::unique_ptr<Model> model_;
+};
+
+TEST_F(EngineTest, BatchedPrefillMatchesTokenByTokenDecode) {
+  Engine engine(*model_, EngineOptions{2});
+  const auto ids = prompt("Once upon a time there was a cat named Tom who liked milk.");
+  const auto vocab = static_cast<std::size_t>(model_->config().vocab_size);
+  auto batched = engine.new_session();
+  const auto all = engine.forward(*batched, ids, true);
+  const std::vector<float> prefill(all.begin(), all.end());
+  auto stepwise = engine.new_session();
+  for (std::size_t t = 0; t < ids.size(); ++t) {
+    const auto l = engine.forward(*stepwise, std::span<const TokenId>(&ids[t], 1));
+    for (std::size_t i = 0; i < vocab; ++i) ASSERT_NEAR(l[i], prefill[t * vocab + i], 1e-4f) << "t=" << t;
+  }
+  EXPECT_EQ(batched->tokens(), stepwise->tokens());
+  EXPECT_EQ(batched->cache().size(), static_cast<int>(ids.size()));
+}
+
+TEST_F(EngineTest, ChunkedPrefillMatchesOneChunk) {
+  const auto ids = prompt("Lily and Ben went to the park to play on the swings and the slide all day long.");
+  Engine big(*model_, EngineOptions{1, 256});
+  Engine small(*model_, EngineOptions{1, 3});
+  auto a = big.new_session();
+  auto b = small.new_session();
+  const auto la = big.forward(*a, ids, true);
+  const std::vector<float> va(la.begin(), la.end());
+  const auto lb = small.forward(*b, ids, true);
+  ASSERT_EQ(va.size(), lb.size());
+  for (std::size_t i = 0; i < va.size(); ++i) ASSERT_NEAR(va[i], lb[i], 1e-4f);
+}
+
+TEST_F(EngineTest, ContextLimitIsAClearErrorAndLeavesSessionIntact) {
+  Engine engine(*model_, EngineOptions{1});
+  auto session = engine.new_session(16);
+  const auto ids = prompt("one two three");
+  engine.forward(*session, ids);
+  const int before = session->n_past();
+  std::vector<TokenId> more(20, 5);
+  try {
+    engine.forward(*session, more);
+    FAIL() << "expected context_full";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::context_full);
+    EXPECT_NE(std::string(e.what()).find("context length"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(session->n_past(), before);
+  EXPECT_EQ(session->cache().size(), before);
+}
+
+TEST_F(EngineTest, OutOfRangeTokenIsRejected) {
+  Engine engine(*model_, EngineOptions{1});
+  auto session = engine.new_session();
+  const std::vector<TokenId> bad{1, 100000};
+  EXPECT_THROW(engine.forward(*session, bad), Error);
+  EXPECT_EQ(session->n_past(), 0);
+}
+
+TEST_F(EngineTest, LogitsAreFinite) {
+  Engine engine(*model_, EngineOptions{1});
+  auto session = engine.new_session();
+  const auto l = engine.forward(*session, prompt("Hello"));
+  for (float v : l) ASSERT_TRUE(std::isfinite(v));
+}
+
+}  // namespace
+}  // namespace qkvshare
