@@ -27,5 +27,7 @@ std::vector<TokenId> encode_prompt(const Tokenizer& tok, const std::string& text
 
 void register_generate(CLI::App& app);
 void register_inspect(CLI::App& app);
+void register_bench(CLI::App&);
+void register_make_model(CLI::App&);
 
 }  // namespace qkvshare::cli

@@ -12,6 +12,8 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "qkvshare 0.1.0");
   qkvshare::cli::register_generate(app);
   qkvshare::cli::register_inspect(app);
+  qkvshare::cli::register_bench(app);
+  qkvshare::cli::register_make_model(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -22,8 +22,10 @@ std::string printable(std::string_view s) {
       out += fmt::format("\\x{:02x}", c);
     }
   }
-  if (s.size() > kMaxShown) out += fmt::format("...' ({} bytes)", s.size());
-  else out += '\'';
+  if (s.size() > kMaxShown)
+    out += fmt::format("...' ({} bytes)", s.size());
+  else
+    out += '\'';
   return out;
 }
 
@@ -35,8 +37,14 @@ using gguf_detail::printable;
 
 bool is_integer(GgufType t) noexcept {
   switch (t) {
-    case GgufType::u8: case GgufType::i8: case GgufType::u16: case GgufType::i16:
-    case GgufType::u32: case GgufType::i32: case GgufType::u64: case GgufType::i64:
+    case GgufType::u8:
+    case GgufType::i8:
+    case GgufType::u16:
+    case GgufType::i16:
+    case GgufType::u32:
+    case GgufType::i32:
+    case GgufType::u64:
+    case GgufType::i64:
       return true;
     default:
       return false;
@@ -60,19 +68,32 @@ std::string describe(const GgufValue& v) {
 
 std::string_view gguf_type_name(GgufType type) noexcept {
   switch (type) {
-    case GgufType::u8: return "u8";
-    case GgufType::i8: return "i8";
-    case GgufType::u16: return "u16";
-    case GgufType::i16: return "i16";
-    case GgufType::u32: return "u32";
-    case GgufType::i32: return "i32";
-    case GgufType::f32: return "f32";
-    case GgufType::boolean: return "bool";
-    case GgufType::string: return "string";
-    case GgufType::array: return "array";
-    case GgufType::u64: return "u64";
-    case GgufType::i64: return "i64";
-    case GgufType::f64: return "f64";
+    case GgufType::u8:
+      return "u8";
+    case GgufType::i8:
+      return "i8";
+    case GgufType::u16:
+      return "u16";
+    case GgufType::i16:
+      return "i16";
+    case GgufType::u32:
+      return "u32";
+    case GgufType::i32:
+      return "i32";
+    case GgufType::f32:
+      return "f32";
+    case GgufType::boolean:
+      return "bool";
+    case GgufType::string:
+      return "string";
+    case GgufType::array:
+      return "array";
+    case GgufType::u64:
+      return "u64";
+    case GgufType::i64:
+      return "i64";
+    case GgufType::f64:
+      return "f64";
   }
   return "unknown";
 }
@@ -85,7 +106,8 @@ const GgufValue* GgufFile::find(std::string_view key) const {
 std::optional<std::string> GgufFile::find_string(std::string_view key) const {
   const GgufValue* v = find(key);
   if (v == nullptr) return std::nullopt;
-  if (v->type != GgufType::string) bad_key(path(), key, fmt::format("expected string, found {}", describe(*v)));
+  if (v->type != GgufType::string)
+    bad_key(path(), key, fmt::format("expected string, found {}", describe(*v)));
   return std::get<std::string>(v->scalar);
 }
 
@@ -130,7 +152,8 @@ double GgufFile::get_float(std::string_view key) const {
 std::optional<bool> GgufFile::find_bool(std::string_view key) const {
   const GgufValue* v = find(key);
   if (v == nullptr) return std::nullopt;
-  if (v->type != GgufType::boolean) bad_key(path(), key, fmt::format("expected bool, found {}", describe(*v)));
+  if (v->type != GgufType::boolean)
+    bad_key(path(), key, fmt::format("expected bool, found {}", describe(*v)));
   return std::get<bool>(v->scalar);
 }
 

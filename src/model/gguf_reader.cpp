@@ -2,13 +2,14 @@
 // bounds against the mapping first, and every count read from the file is
 // compared with the bytes that remain before anything is allocated for it, so
 // a forged header cannot make us read out of bounds or allocate gigabytes.
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <bit>
 #include <cstring>
 #include <limits>
+#include <span>
 #include <utility>
-
-#include <fmt/ranges.h>
 
 #include "gguf_internal.hpp"
 #include "qkvshare/core/error.hpp"
@@ -16,7 +17,8 @@
 
 namespace qkvshare {
 
-static_assert(std::endian::native == std::endian::little, "GGUF is little-endian; this reader assumes the host is too");
+static_assert(std::endian::native == std::endian::little,
+              "GGUF is little-endian; this reader assumes the host is too");
 
 namespace {
 
@@ -39,13 +41,14 @@ class Cursor {
 
   template <typename... Args>
   [[noreturn]] void bad(std::string_view item, fmt::format_string<Args...> format, Args&&... args) const {
-    fail(ErrorCode::bad_model_file, "{}: {}: {}", path_, item, fmt::format(format, std::forward<Args>(args)...));
+    fail(ErrorCode::bad_model_file, "{}: {}: {}", path_, item,
+         fmt::format(format, std::forward<Args>(args)...));
   }
 
   void need(std::uint64_t n, std::string_view item, std::string_view what) const {
     if (n > remaining())
-      bad(item, "truncated: {} needs {} bytes at offset {}, but only {} remain (file is {} bytes)", what, n, pos_,
-          remaining(), size());
+      bad(item, "truncated: {} needs {} bytes at offset {}, but only {} remain (file is {} bytes)", what, n,
+          pos_, remaining(), size());
   }
 
   template <typename T>
@@ -71,15 +74,26 @@ class Cursor {
   std::size_t pos_ = 0;
 };
 
-bool known_value_type(std::uint32_t raw) noexcept { return raw <= static_cast<std::uint32_t>(GgufType::f64); }
+bool known_value_type(std::uint32_t raw) noexcept {
+  return raw <= static_cast<std::uint32_t>(GgufType::f64);
+}
 
 // Encoded size of one element; 8 for strings (only their length prefix).
 std::uint64_t min_element_bytes(GgufType type) noexcept {
   switch (type) {
-    case GgufType::u8: case GgufType::i8: case GgufType::boolean: return 1;
-    case GgufType::u16: case GgufType::i16: return 2;
-    case GgufType::u32: case GgufType::i32: case GgufType::f32: return 4;
-    default: return 8;
+    case GgufType::u8:
+    case GgufType::i8:
+    case GgufType::boolean:
+      return 1;
+    case GgufType::u16:
+    case GgufType::i16:
+      return 2;
+    case GgufType::u32:
+    case GgufType::i32:
+    case GgufType::f32:
+      return 4;
+    default:
+      return 8;
   }
 }
 
@@ -93,26 +107,38 @@ bool read_bool(Cursor& in, std::string_view item) {
 // Reads one numeric or bool element of an array as a double.
 double read_number(Cursor& in, GgufType type, std::string_view item) {
   switch (type) {
-    case GgufType::u8: return in.read<std::uint8_t>(item, "array element");
-    case GgufType::i8: return in.read<std::int8_t>(item, "array element");
-    case GgufType::u16: return in.read<std::uint16_t>(item, "array element");
-    case GgufType::i16: return in.read<std::int16_t>(item, "array element");
-    case GgufType::u32: return in.read<std::uint32_t>(item, "array element");
-    case GgufType::i32: return in.read<std::int32_t>(item, "array element");
-    case GgufType::f32: return in.read<float>(item, "array element");
-    case GgufType::boolean: return read_bool(in, item) ? 1.0 : 0.0;
-    case GgufType::u64: return static_cast<double>(in.read<std::uint64_t>(item, "array element"));
-    case GgufType::i64: return static_cast<double>(in.read<std::int64_t>(item, "array element"));
-    case GgufType::f64: return in.read<double>(item, "array element");
-    case GgufType::string: case GgufType::array: break;
+    case GgufType::u8:
+      return in.read<std::uint8_t>(item, "array element");
+    case GgufType::i8:
+      return in.read<std::int8_t>(item, "array element");
+    case GgufType::u16:
+      return in.read<std::uint16_t>(item, "array element");
+    case GgufType::i16:
+      return in.read<std::int16_t>(item, "array element");
+    case GgufType::u32:
+      return in.read<std::uint32_t>(item, "array element");
+    case GgufType::i32:
+      return in.read<std::int32_t>(item, "array element");
+    case GgufType::f32:
+      return in.read<float>(item, "array element");
+    case GgufType::boolean:
+      return read_bool(in, item) ? 1.0 : 0.0;
+    case GgufType::u64:
+      return static_cast<double>(in.read<std::uint64_t>(item, "array element"));
+    case GgufType::i64:
+      return static_cast<double>(in.read<std::int64_t>(item, "array element"));
+    case GgufType::f64:
+      return in.read<double>(item, "array element");
+    case GgufType::string:
+    case GgufType::array:
+      break;
   }
   in.bad(item, "internal: {} is not a numeric type", gguf_type_name(type));
 }
 
 void read_array(Cursor& in, GgufValue& v, std::string_view item) {
   const auto raw = in.read<std::uint32_t>(item, "array element type");
-  if (raw == static_cast<std::uint32_t>(GgufType::array))
-    in.bad(item, "arrays of arrays are not supported");
+  if (raw == static_cast<std::uint32_t>(GgufType::array)) in.bad(item, "arrays of arrays are not supported");
   if (!known_value_type(raw)) in.bad(item, "unknown array element type {}", raw);
   v.element_type = static_cast<GgufType>(raw);
   const auto count = in.read<std::uint64_t>(item, "array count");
@@ -136,19 +162,45 @@ GgufValue read_value(Cursor& in, std::string_view item) {
   GgufValue v;
   v.type = static_cast<GgufType>(raw);
   switch (v.type) {
-    case GgufType::u8: v.scalar = std::uint64_t{in.read<std::uint8_t>(item, "u8 value")}; break;
-    case GgufType::i8: v.scalar = std::int64_t{in.read<std::int8_t>(item, "i8 value")}; break;
-    case GgufType::u16: v.scalar = std::uint64_t{in.read<std::uint16_t>(item, "u16 value")}; break;
-    case GgufType::i16: v.scalar = std::int64_t{in.read<std::int16_t>(item, "i16 value")}; break;
-    case GgufType::u32: v.scalar = std::uint64_t{in.read<std::uint32_t>(item, "u32 value")}; break;
-    case GgufType::i32: v.scalar = std::int64_t{in.read<std::int32_t>(item, "i32 value")}; break;
-    case GgufType::u64: v.scalar = in.read<std::uint64_t>(item, "u64 value"); break;
-    case GgufType::i64: v.scalar = in.read<std::int64_t>(item, "i64 value"); break;
-    case GgufType::f32: v.scalar = double{in.read<float>(item, "f32 value")}; break;
-    case GgufType::f64: v.scalar = in.read<double>(item, "f64 value"); break;
-    case GgufType::boolean: v.scalar = read_bool(in, item); break;
-    case GgufType::string: v.scalar = in.read_string(item, "string value"); break;
-    case GgufType::array: read_array(in, v, item); break;
+    case GgufType::u8:
+      v.scalar = std::uint64_t{in.read<std::uint8_t>(item, "u8 value")};
+      break;
+    case GgufType::i8:
+      v.scalar = std::int64_t{in.read<std::int8_t>(item, "i8 value")};
+      break;
+    case GgufType::u16:
+      v.scalar = std::uint64_t{in.read<std::uint16_t>(item, "u16 value")};
+      break;
+    case GgufType::i16:
+      v.scalar = std::int64_t{in.read<std::int16_t>(item, "i16 value")};
+      break;
+    case GgufType::u32:
+      v.scalar = std::uint64_t{in.read<std::uint32_t>(item, "u32 value")};
+      break;
+    case GgufType::i32:
+      v.scalar = std::int64_t{in.read<std::int32_t>(item, "i32 value")};
+      break;
+    case GgufType::u64:
+      v.scalar = in.read<std::uint64_t>(item, "u64 value");
+      break;
+    case GgufType::i64:
+      v.scalar = in.read<std::int64_t>(item, "i64 value");
+      break;
+    case GgufType::f32:
+      v.scalar = double{in.read<float>(item, "f32 value")};
+      break;
+    case GgufType::f64:
+      v.scalar = in.read<double>(item, "f64 value");
+      break;
+    case GgufType::boolean:
+      v.scalar = read_bool(in, item);
+      break;
+    case GgufType::string:
+      v.scalar = in.read_string(item, "string value");
+      break;
+    case GgufType::array:
+      read_array(in, v, item);
+      break;
   }
   return v;
 }
@@ -179,7 +231,8 @@ TensorInfo read_tensor_info(Cursor& in, std::size_t index, std::size_t alignment
       in.bad(item, "ne[{}] is {} (negative as int64)", d, static_cast<std::int64_t>(ne));
     t.view.ne[d] = static_cast<std::int64_t>(ne);
     if (__builtin_mul_overflow(n_elements, t.view.ne[d], &n_elements))
-      in.bad(item, "element count overflows int64 (ne = [{}])", fmt::join(t.view.ne.begin(), t.view.ne.begin() + d + 1, ", "));
+      in.bad(item, "element count overflows int64 (ne = [{}])",
+             fmt::join(t.view.ne.begin(), t.view.ne.begin() + d + 1, ", "));
   }
 
   const auto raw_type = in.read<std::uint32_t>(item, "type");
@@ -202,20 +255,18 @@ TensorInfo read_tensor_info(Cursor& in, std::size_t index, std::size_t alignment
   return t;
 }
 
+// The spec says u32; any integer type is accepted since the value is what matters.
 std::size_t read_alignment(const std::map<std::string, GgufValue, std::less<>>& metadata, const Cursor& in) {
   const auto it = metadata.find("general.alignment");
   if (it == metadata.end()) return kDefaultAlignment;
   const GgufValue& v = it->second;
   constexpr std::string_view item = "key 'general.alignment'";
-  std::uint64_t a = 0;
-  if (const auto* u = std::get_if<std::uint64_t>(&v.scalar); u != nullptr && v.type != GgufType::array) {
-    a = *u;
-  } else if (const auto* s = std::get_if<std::int64_t>(&v.scalar); s != nullptr && v.type != GgufType::array) {
-    if (*s <= 0) in.bad(item, "alignment is {} (must be a non-zero power of two)", *s);
-    a = static_cast<std::uint64_t>(*s);
-  } else {
-    in.bad(item, "expected an unsigned integer, found {}", gguf_type_name(v.type));
-  }
+  const auto* u = std::get_if<std::uint64_t>(&v.scalar);
+  const auto* s = std::get_if<std::int64_t>(&v.scalar);
+  if (v.type == GgufType::array || (u == nullptr && s == nullptr))
+    in.bad(item, "expected an integer, found {}", gguf_type_name(v.type));
+  if (s != nullptr && *s <= 0) in.bad(item, "alignment is {} (must be a non-zero power of two)", *s);
+  const std::uint64_t a = u != nullptr ? *u : static_cast<std::uint64_t>(*s);
   if (!std::has_single_bit(a)) in.bad(item, "alignment is {} (must be a non-zero power of two)", a);
   return static_cast<std::size_t>(a);
 }
@@ -246,8 +297,8 @@ std::unique_ptr<GgufFile> GgufFile::open(const std::string& path) {
     in.bad(header, "metadata count {} cannot fit in the {} bytes that remain", kv_count, in.remaining());
   if (tensor_count > in.remaining() / kMinTensorInfoBytes ||
       kv_count * kMinKvBytes + tensor_count * kMinTensorInfoBytes > in.remaining())
-    in.bad(header, "tensor count {} with metadata count {} cannot fit in the {} bytes that remain", tensor_count,
-           kv_count, in.remaining());
+    in.bad(header, "tensor count {} with metadata count {} cannot fit in the {} bytes that remain",
+           tensor_count, kv_count, in.remaining());
 
   for (std::uint64_t i = 0; i < kv_count; ++i) {
     const std::string entry = fmt::format("metadata entry #{}", i);
@@ -287,10 +338,11 @@ std::unique_ptr<GgufFile> GgufFile::open(const std::string& path) {
     std::uint64_t begin = 0;
     std::uint64_t end = 0;
     if (__builtin_add_overflow(std::uint64_t{data_offset}, t.offset, &begin))
-      in.bad(t.item, "data [offset {} + {}, {} bytes] extends past end of file ({} bytes)", data_offset, t.offset,
-             t.view.nbytes, size);
+      in.bad(t.item, "data [offset {} + {}, {} bytes] extends past end of file ({} bytes)", data_offset,
+             t.offset, t.view.nbytes, size);
     if (__builtin_add_overflow(begin, std::uint64_t{t.view.nbytes}, &end) || end > size)
-      in.bad(t.item, "data [offset {}, {} bytes] extends past end of file ({} bytes)", begin, t.view.nbytes, size);
+      in.bad(t.item, "data [offset {}, {} bytes] extends past end of file ({} bytes)", begin, t.view.nbytes,
+             size);
     t.view.data = f->file_.data() + begin;
     by_offset.emplace_back(begin, i);
   }

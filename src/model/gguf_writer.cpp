@@ -31,7 +31,9 @@ void put_string(std::vector<std::uint8_t>& out, const std::string& s) {
   out.insert(out.end(), s.begin(), s.end());
 }
 
-void put_type(std::vector<std::uint8_t>& out, GgufType t) { put<std::uint32_t>(out, static_cast<std::uint32_t>(t)); }
+void put_type(std::vector<std::uint8_t>& out, GgufType t) {
+  put<std::uint32_t>(out, static_cast<std::uint32_t>(t));
+}
 
 template <typename T>
 std::vector<std::uint8_t> scalar(GgufType t, T v) {
@@ -48,15 +50,21 @@ std::vector<std::uint8_t> array(GgufType element, const std::vector<T>& values) 
   put_type(out, element);
   put<std::uint64_t>(out, values.size());
   for (const T& v : values) {
-    if constexpr (std::is_same_v<T, std::string>) put_string(out, v);
-    else put<T>(out, v);
+    if constexpr (std::is_same_v<T, std::string>)
+      put_string(out, v);
+    else
+      put<T>(out, v);
   }
   return out;
 }
 
-std::size_t align_up(std::size_t n, std::size_t alignment) { return (n + alignment - 1) & ~(alignment - 1); }
+std::size_t align_up(std::size_t n, std::size_t alignment) {
+  return (n + alignment - 1) & ~(alignment - 1);
+}
 
-void pad_to(std::vector<std::uint8_t>& out, std::size_t alignment) { out.resize(align_up(out.size(), alignment), 0); }
+void pad_to(std::vector<std::uint8_t>& out, std::size_t alignment) {
+  out.resize(align_up(out.size(), alignment), 0);
+}
 
 }  // namespace
 
@@ -67,10 +75,18 @@ void GgufWriter::put_kv(const std::string& key, std::vector<std::uint8_t> encode
   kvs_.push_back({key, std::move(encoded)});
 }
 
-void GgufWriter::set_u32(const std::string& key, std::uint32_t v) { put_kv(key, scalar(GgufType::u32, v)); }
-void GgufWriter::set_i32(const std::string& key, std::int32_t v) { put_kv(key, scalar(GgufType::i32, v)); }
-void GgufWriter::set_u64(const std::string& key, std::uint64_t v) { put_kv(key, scalar(GgufType::u64, v)); }
-void GgufWriter::set_f32(const std::string& key, float v) { put_kv(key, scalar(GgufType::f32, v)); }
+void GgufWriter::set_u32(const std::string& key, std::uint32_t v) {
+  put_kv(key, scalar(GgufType::u32, v));
+}
+void GgufWriter::set_i32(const std::string& key, std::int32_t v) {
+  put_kv(key, scalar(GgufType::i32, v));
+}
+void GgufWriter::set_u64(const std::string& key, std::uint64_t v) {
+  put_kv(key, scalar(GgufType::u64, v));
+}
+void GgufWriter::set_f32(const std::string& key, float v) {
+  put_kv(key, scalar(GgufType::f32, v));
+}
 void GgufWriter::set_bool(const std::string& key, bool v) {
   put_kv(key, scalar<std::uint8_t>(GgufType::boolean, v ? 1 : 0));
 }
@@ -114,7 +130,8 @@ void GgufWriter::add_tensor(const std::string& name, GgmlType type, const std::v
     overflow = overflow || __builtin_mul_overflow(nbytes, static_cast<std::size_t>(shape[d]), &nbytes);
   if (overflow) bad("byte size overflows size_t");
   if (data.size() != nbytes)
-    bad(fmt::format("{} data bytes given, a {} tensor of this shape needs {}", data.size(), traits->name, nbytes));
+    bad(fmt::format("{} data bytes given, a {} tensor of this shape needs {}", data.size(), traits->name,
+                    nbytes));
   tensors_.push_back({name, type, shape, std::move(data)});
 }
 
@@ -122,7 +139,8 @@ void GgufWriter::add_tensor(const std::string& name, GgmlType type, const std::v
 // writers that never call it carry no general.alignment, like llama.cpp's.
 void GgufWriter::set_alignment(std::size_t alignment) {
   if (!std::has_single_bit(alignment) || alignment > (std::size_t{1} << 30))
-    fail(ErrorCode::invalid_argument, "GGUF writer: alignment {} must be a power of two up to 2^30", alignment);
+    fail(ErrorCode::invalid_argument, "GGUF writer: alignment {} must be a power of two up to 2^30",
+         alignment);
   alignment_ = alignment;
   auto encoded = scalar(GgufType::u32, static_cast<std::uint32_t>(alignment));
   for (Kv& kv : kvs_) {

@@ -92,7 +92,8 @@ TEST(GgufRoundTrip, WriterMetadataTypes) {
   EXPECT_EQ(f->get_int("test.u64"), std::int64_t{1} << 40);
   EXPECT_EQ(f->get_float("test.f32"), 0.5);
   EXPECT_EQ(f->find_bool("test.bool"), true);
-  EXPECT_EQ(f->get_string_array("tokenizer.ggml.tokens"), (std::vector<std::string>{"<s>", "</s>", "a", "b"}));
+  EXPECT_EQ(f->get_string_array("tokenizer.ggml.tokens"),
+            (std::vector<std::string>{"<s>", "</s>", "a", "b"}));
   EXPECT_EQ(f->get_number_array("tokenizer.ggml.scores"), (std::vector<double>{0, -1, 2.5, 3}));
   EXPECT_EQ(f->get_number_array("tokenizer.ggml.token_type"), (std::vector<double>{3, 3, 1, 1}));
   EXPECT_EQ(f->find("tokenizer.ggml.token_type")->element_type, GgufType::i32);
@@ -210,8 +211,8 @@ TEST(GgufRoundTrip, KeysKeepInsertionOrder) {
   const auto l = layout_of(sample_writer(64).to_bytes());
   std::vector<std::string> keys;
   for (const auto& kv : l.kvs) keys.push_back(kv.key);
-  EXPECT_EQ(keys, (std::vector<std::string>{"general.architecture", "llama.block_count", "test.i32", "test.u64",
-                                            "test.f32", "test.bool", "tokenizer.ggml.tokens",
+  EXPECT_EQ(keys, (std::vector<std::string>{"general.architecture", "llama.block_count", "test.i32",
+                                            "test.u64", "test.f32", "test.bool", "tokenizer.ggml.tokens",
                                             "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                                             "general.alignment"}));
 }
@@ -237,7 +238,8 @@ TEST(GgufRoundTrip, WriteToFileReplacesAtomically) {
   EXPECT_EQ(GgufFile::open(path)->tensors().size(), 4u);
   for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(path).parent_path()))
     EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();
-  expect_error([] { sample_writer().write("/nonexistent-dir/x.gguf"); }, ErrorCode::io, "/nonexistent-dir/x.gguf");
+  expect_error([] { sample_writer().write("/nonexistent-dir/x.gguf"); }, ErrorCode::io,
+               "/nonexistent-dir/x.gguf");
 }
 
 TEST(GgufWriter, RejectsBadArguments) {
@@ -249,15 +251,25 @@ TEST(GgufWriter, RejectsBadArguments) {
                ErrorCode::invalid_argument, "15 data bytes given, a F32 tensor of this shape needs 16");
   expect_error([&] { w.add_tensor("t", GgmlType::Q8_0, {33}, std::vector<std::uint8_t>(34)); },
                ErrorCode::invalid_argument, "not a multiple of the Q8_0 block size 32");
-  expect_error([&] { w.add_tensor("t", GgmlType::F32, {}, {}); }, ErrorCode::invalid_argument, "0 dimensions");
-  expect_error([&] { w.add_tensor("t", GgmlType::F32, {1, 1, 1, 1, 1}, std::vector<std::uint8_t>(4)); },
-               ErrorCode::invalid_argument, "5 dimensions");
-  expect_error([&] { w.add_tensor("t", GgmlType::F32, {4, 0}, {}); }, ErrorCode::invalid_argument,
-               "dimension 0 is not positive");
+  expect_error([&] { w.add_tensor("t", GgmlType::F32, {}, {}); }, ErrorCode::invalid_argument,
+               "0 dimensions");
+  expect_error(
+      [&] {
+        w.add_tensor("t", GgmlType::F32, {1, 1, 1, 1, 1}, std::vector<std::uint8_t>(4));
+      },
+      ErrorCode::invalid_argument, "5 dimensions");
+  expect_error(
+      [&] {
+        w.add_tensor("t", GgmlType::F32, {4, 0}, {});
+      },
+      ErrorCode::invalid_argument, "dimension 0 is not positive");
   expect_error([&] { w.add_tensor("t", static_cast<GgmlType>(99), {4}, {}); }, ErrorCode::invalid_argument,
                "unknown type 99");
-  expect_error([&] { w.add_tensor("t", GgmlType::F32, {std::int64_t{1} << 62, 8}, {}); },
-               ErrorCode::invalid_argument, "overflows");
+  expect_error(
+      [&] {
+        w.add_tensor("t", GgmlType::F32, {std::int64_t{1} << 62, 8}, {});
+      },
+      ErrorCode::invalid_argument, "overflows");
   w.add_tensor("t", GgmlType::F32, {4}, std::vector<std::uint8_t>(16));
   expect_error([&] { w.add_tensor("t", GgmlType::F32, {4}, std::vector<std::uint8_t>(16)); },
                ErrorCode::invalid_argument, "tensor 't': added twice");
@@ -277,7 +289,8 @@ TEST(GgufGetters, TypeMismatchesAndMissingKeysNameFileAndKey) {
   const auto f = open_bytes(raw.bytes(), "getters.gguf");
   const std::string p = f->path() + ": key ";
   const auto bad = ErrorCode::bad_model_file;
-  expect_error([&] { f->get_int("big"); }, bad, p + "'big': value 18446744073709551615 does not fit in int64");
+  expect_error([&] { f->get_int("big"); }, bad,
+               p + "'big': value 18446744073709551615 does not fit in int64");
   expect_error([&] { f->get_int("flag"); }, bad, p + "'flag': expected an integer, found bool");
   expect_error([&] { f->get_int("real"); }, bad, p + "'real': expected an integer, found f32");
   expect_error([&] { f->get_int("absent"); }, bad, p + "'absent': missing");
@@ -286,8 +299,10 @@ TEST(GgufGetters, TypeMismatchesAndMissingKeysNameFileAndKey) {
   expect_error([&] { f->get_string("int"); }, bad, p + "'int': expected string, found i32");
   expect_error([&] { f->get_string("absent"); }, bad, p + "'absent': missing");
   expect_error([&] { f->find_bool("int"); }, bad, p + "'int': expected bool, found i32");
-  expect_error([&] { f->get_string_array("ints"); }, bad, p + "'ints': expected array of string, found array of i32");
-  expect_error([&] { f->get_number_array("name"); }, bad, p + "'name': expected array of numbers, found string");
+  expect_error([&] { f->get_string_array("ints"); }, bad,
+               p + "'ints': expected array of string, found array of i32");
+  expect_error([&] { f->get_number_array("name"); }, bad,
+               p + "'name': expected array of numbers, found string");
   expect_error([&] { f->get_number_array("absent"); }, bad, p + "'absent': missing");
   expect_error([&] { f->tensor("w"); }, bad, f->path() + ": tensor 'w': missing");
   EXPECT_EQ(f->find_int("absent"), std::nullopt);

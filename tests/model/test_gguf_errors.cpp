@@ -109,7 +109,8 @@ TEST(GgufBadFile, StringValueLongerThanFile) {
   Sample s;
   const auto& kv = kv_of(s.layout, "general.architecture");
   store_le<std::uint64_t>(s.bytes, kv.lengths[0], kMaxU64);
-  expect_bad_file(s.bytes, "key 'general.architecture'", "truncated: string value needs 18446744073709551615");
+  expect_bad_file(s.bytes, "key 'general.architecture'",
+                  "truncated: string value needs 18446744073709551615");
 }
 
 TEST(GgufBadFile, StringArrayElementLongerThanFile) {
@@ -180,9 +181,15 @@ TEST(GgufBadFile, BadAlignment) {
     expect_bad_file(w.to_bytes(), "key 'general.alignment'",
                     fmt::format("alignment is {} (must be a non-zero power of two)", a));
   }
-  GgufWriter w = sample_writer();
-  w.set_string("general.alignment", "32");
-  expect_bad_file(w.to_bytes(), "key 'general.alignment'", "expected an unsigned integer, found string");
+  GgufWriter negative = sample_writer();
+  negative.set_i32("general.alignment", -64);
+  expect_bad_file(negative.to_bytes(), "key 'general.alignment'", "alignment is -64");
+  GgufWriter text = sample_writer();
+  text.set_string("general.alignment", "32");
+  expect_bad_file(text.to_bytes(), "key 'general.alignment'", "expected an integer, found string");
+  GgufWriter list = sample_writer();
+  list.set_i32_array("general.alignment", {32});
+  expect_bad_file(list.to_bytes(), "key 'general.alignment'", "expected an integer, found array");
 }
 
 TEST(GgufBadFile, DuplicateTensorName) {

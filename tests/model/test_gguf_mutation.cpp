@@ -32,7 +32,9 @@ struct Base {
   GgufLayout layout;
   std::vector<std::size_t> u64_fields, u32_fields;
   explicit Base(std::vector<std::uint8_t> b)
-      : bytes(std::move(b)), layout(testing::layout_of(bytes)), u64_fields(layout.u64_fields()),
+      : bytes(std::move(b)),
+        layout(testing::layout_of(bytes)),
+        u64_fields(layout.u64_fields()),
         u32_fields(layout.u32_fields()) {}
 };
 
@@ -83,16 +85,20 @@ void mutate_once(std::mt19937_64& rng, std::vector<std::uint8_t>& b, const Base&
       }
       break;
     }
-    case 4: case 5: case 6: {  // forge a u64 field (count, length, dim, offset)
+    case 4:
+    case 5:
+    case 6: {  // forge a u64 field (count, length, dim, offset)
       const std::size_t at = base.u64_fields[pick(base.u64_fields.size())];
       if (at + 8 > b.size()) break;
-      testing::store_le<std::uint64_t>(b, at, interesting(rng, testing::load_le<std::uint64_t>(b, at), b.size()));
+      testing::store_le<std::uint64_t>(b, at,
+                                       interesting(rng, testing::load_le<std::uint64_t>(b, at), b.size()));
       break;
     }
     default: {  // forge a u32 field (version, value type, n_dims, tensor type)
       const std::size_t at = base.u32_fields[pick(base.u32_fields.size())];
       if (at + 4 > b.size()) break;
-      const std::uint32_t v = rng() % 2 == 0 ? static_cast<std::uint32_t>(pick(40)) : static_cast<std::uint32_t>(rng());
+      const std::uint32_t v =
+          rng() % 2 == 0 ? static_cast<std::uint32_t>(pick(40)) : static_cast<std::uint32_t>(rng());
       testing::store_le<std::uint32_t>(b, at, v);
       break;
     }
@@ -131,7 +137,8 @@ std::uint64_t touch(const GgufFile& f) {
 }
 
 TEST(GgufMutation, RandomDamageEitherLoadsOrThrowsError) {
-  const Base bases[] = {Base(testing::sample_writer().to_bytes()), Base(testing::sample_writer(64).to_bytes())};
+  const Base bases[] = {Base(testing::sample_writer().to_bytes()),
+                        Base(testing::sample_writer(64).to_bytes())};
   const std::string path = testing::gguf_temp_path("mutated.gguf");
   const std::size_t n = iterations();
   std::size_t accepted = 0;

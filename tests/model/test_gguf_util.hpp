@@ -116,10 +116,19 @@ inline GgufLayout layout_of(const std::vector<std::uint8_t>& b) {
   };
   const auto elem_size = [](std::uint32_t t) -> std::size_t {
     switch (t) {
-      case 0: case 1: case 7: return 1;
-      case 2: case 3: return 2;
-      case 4: case 5: case 6: return 4;
-      default: return 8;
+      case 0:
+      case 1:
+      case 7:
+        return 1;
+      case 2:
+      case 3:
+        return 2;
+      case 4:
+      case 5:
+      case 6:
+        return 4;
+      default:
+        return 8;
     }
   };
   const auto n_kv = load_le<std::uint64_t>(b, 16);
@@ -140,8 +149,10 @@ inline GgufLayout layout_of(const std::vector<std::uint8_t>& b) {
       const auto count = load_le<std::uint64_t>(b, p + 4);
       p += 12;
       for (std::uint64_t k = 0; k < count; ++k) {
-        if (et == 8) str(&kv.lengths);
-        else p += elem_size(et);
+        if (et == 8)
+          str(&kv.lengths);
+        else
+          p += elem_size(et);
       }
     } else {
       p += elem_size(type);
@@ -204,7 +215,8 @@ inline void expect_bad_file(const std::vector<std::uint8_t>& bytes, const std::s
   } catch (const Error& e) {
     const std::string msg = e.what();
     EXPECT_EQ(e.code(), ErrorCode::bad_model_file) << msg;
-    EXPECT_EQ(msg.rfind(path + ": " + item + ": ", 0), 0u) << "message: " << msg << "\nexpected item: " << item;
+    EXPECT_EQ(msg.rfind(path + ": " + item + ": ", 0), 0u)
+        << "message: " << msg << "\nexpected item: " << item;
     EXPECT_NE(msg.find(reason), std::string::npos) << "message: " << msg << "\nexpected reason: " << reason;
   }
 }

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
-#include <map>
+#include <unordered_map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -139,7 +139,7 @@ class NaiveRunC {
   }
   std::vector<std::string> vocab_;
   std::vector<float> scores_;
-  std::map<std::string, TokenId> lookup_;
+  std::unordered_map<std::string, TokenId> lookup_;
 };
 
 }  // namespace qkvshare::testing

@@ -20,6 +20,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+# Single-threaded BLAS for the NumPy reference, set before anything imports
+# NumPy: on the 2-core machines, multi-threaded OpenBLAS competing with the
+# engine, a build or other tests spin-waits and ran a 69-token SmolLM2 pass
+# 10x slower (21 s vs 1.9 s measured under load); on an idle machine one
+# thread costs < 2x. Override by exporting OPENBLAS_NUM_THREADS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

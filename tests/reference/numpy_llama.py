@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+# One BLAS thread unless told otherwise (no effect if NumPy is already loaded):
+# multi-threaded OpenBLAS on a busy 2-core machine spin-waits and runs ~10x slower.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 DTYPE = np.float64
 

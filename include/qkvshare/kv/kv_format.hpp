@@ -1,0 +1,96 @@
+#pragma once
+// KV formats: how a context stores keys and values in pool blocks.
+//
+// A block holds `block_tokens` tokens of every layer. Inside it, the unit of
+// storage is a *tile*: the K (or V) rows of one KV head of one layer for the
+// block's tokens, [block_tokens][head_dim]. A codec says how a tile is coded:
+//  - f32 / f16: plain rows;
+//  - q8 / q4 / q3 / q2: unsigned codes packed 8 per `bits` bytes in each row,
+//    followed by (scale, min) pairs in f16, so x ~= code * scale + min. The
+//    pairs run either per *channel* (one pair per channel over the block's
+//    tokens: KIVI's key scheme, robust to outlier channels) or per *token*
+//    (one pair per `group` channels of each row: the value scheme).
+// A KvFormat picks the codec of full ("cold") blocks for K and V separately,
+// plus which blocks stay hot (f16, or f32 for an f32 codec): the newest partly
+// filled block always, the blocks holding the last `window` tokens and the
+// first `sink` tokens optionally. Optional Hadamard rotation spreads outlier
+// channels over the head before storage.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "qkvshare/kv/kv_cache.hpp"
+
+namespace qkvshare {
+
+enum class KvType : std::uint8_t { f32 = 0, f16 = 1, q8 = 2, q4 = 3, q3 = 4, q2 = 5 };
+enum class KvAxis : std::uint8_t { token = 0, channel = 1 };
+
+struct KvCodec {
+  KvType type = KvType::f16;
+  KvAxis axis = KvAxis::token;  // integer types only
+  std::uint16_t group = 0;      // token axis only: channels per (scale, min) pair
+
+  bool quantized() const noexcept { return type != KvType::f32 && type != KvType::f16; }
+  int bits() const noexcept;  // bits of one element's value or code
+  bool operator==(const KvCodec&) const = default;
+
+  // Fixed 32-bit form stored in block headers (and, later, descriptors).
+  std::uint32_t pack() const noexcept;
+  // Throws Error(invalid_argument) for a value no codec packs to.
+  static KvCodec unpack(std::uint32_t packed);
+
+  static KvCodec f32() noexcept { return {KvType::f32, KvAxis::token, 0}; }
+  static KvCodec f16() noexcept { return {KvType::f16, KvAxis::token, 0}; }
+};
+
+// The codec of hot blocks (the partly filled tail, window, sinks) for a cold codec.
+inline KvCodec hot_codec(const KvCodec& cold) noexcept {
+  return cold.type == KvType::f32 ? KvCodec::f32() : KvCodec::f16();
+}
+
+// Byte layout of one tile. Rows are head_dim elements (head_dim % 8 == 0).
+struct TileLayout {
+  int tokens = 0;
+  int head_dim = 0;
+  std::size_t row_bytes = 0;    // one row of values or codes
+  std::size_t code_bytes = 0;   // tokens * row_bytes
+  std::size_t param_offset = 0; // code_bytes rounded up to 4
+  std::size_t param_bytes = 0;  // (scale, min) f16 pairs: scales first, then mins
+  std::size_t n_params = 0;     // number of (scale, min) pairs
+  std::size_t bytes = 0;        // padded to 32 bytes
+};
+
+// Throws Error(invalid_argument) when the codec does not fit the head (group).
+TileLayout tile_layout(const KvCodec& codec, int block_tokens, int head_dim);
+
+struct KvFormat {
+  KvCodec k = KvCodec::f16();
+  KvCodec v = KvCodec::f16();
+  int window = 0;  // the newest `window` tokens stay hot (whole blocks)
+  int sink = 0;    // the first `sink` tokens stay hot (whole blocks)
+  bool rotate_k = false;
+  bool rotate_v = false;
+
+  bool operator==(const KvFormat&) const = default;
+
+  // Syntax: NAME[:option=value]... with NAME one of f32, f16, int8, int4, int3,
+  // int2 (same bits for K and V) or kXvY (X, Y in 32, 16, 8, 4, 3, 2), and
+  // options window=N, sink=N (tokens), kaxis=channel|token, kgroup=N,
+  // vgroup=N, rot=none|k|v|kv. Throws Error(invalid_argument) naming the part.
+  static KvFormat parse(std::string_view text);
+  // Canonical text; parse(to_string()) == *this.
+  std::string to_string() const;
+
+  // Checks the format against a model's head size; throws invalid_argument.
+  void validate(const KvShape& shape, int block_tokens) const;
+  // Bits per stored element of a full cold block (codes, scales and mins).
+  double cold_bits(int block_tokens, int head_dim) const;
+  // KV bytes of a context of `tokens` tokens with hot blocks counted.
+  std::size_t context_bytes(const KvShape& shape, int block_tokens, int tokens) const;
+  // Which blocks are hot once `tokens` tokens are stored.
+  bool block_is_hot(int block, int tokens, int block_tokens) const noexcept;
+};
+
+}  // namespace qkvshare

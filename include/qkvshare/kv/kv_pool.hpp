@@ -1,0 +1,135 @@
+#pragma once
+// The KV pool: the only owner of KV memory (DESIGN.md "KV pool").
+//
+// A *block* is `block_tokens` tokens (a power of two, default 32) of K and V
+// for every layer. Its bytes are a list of fixed-size *pages* holding its
+// tiles (one tile = one layer, one KV head, K or V; see kv_format.hpp), so
+// blocks of different formats (f32, f16, 2..8-bit) share one arena without
+// fragmentation: a 4-bit block simply takes fewer pages. Everything lives in
+// one arena, addressed by indices only:
+//
+//   [PoolHeader, 4 KiB: magic, version, geometry, free-list heads, counters, lock area]
+//   [BlockHeader x n_blocks: refcount (atomic), generation (atomic), K/V codec,
+//    flags, fill, page count, free link, page indices]
+//   [page free links: u32 x n_pages]
+//   [pages: n_pages x page_bytes]
+//
+// Reference counts are lock-free atomics (address-free, so they work across
+// processes); the free lists are changed only under the PoolLock. A block is
+// named by BlockRef {index, generation}: the generation changes when a block
+// is freed, so a stale reference can be detected (try_retain).
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "qkvshare/kv/kv_arena.hpp"
+#include "qkvshare/kv/kv_cache.hpp"
+#include "qkvshare/kv/kv_format.hpp"
+
+namespace qkvshare {
+
+struct BlockRef {
+  static constexpr std::uint32_t kNone = 0xffffffffu;
+  std::uint32_t index = kNone;
+  std::uint32_t generation = 0;
+  bool valid() const noexcept { return index != kNone; }
+  bool operator==(const BlockRef&) const = default;
+};
+
+// Block flag bits.
+inline constexpr std::uint32_t kBlockRotatedK = 1u;
+inline constexpr std::uint32_t kBlockRotatedV = 2u;
+
+struct PoolConfig {
+  KvShape shape;
+  int block_tokens = 32;
+  std::size_t capacity_bytes = 0;  // the whole arena, headers included
+};
+
+struct PoolCounters {
+  std::uint32_t blocks_total = 0, blocks_used = 0, blocks_free = 0;
+  std::uint32_t pages_total = 0, pages_used = 0, pages_free = 0;
+  std::size_t page_bytes = 0;
+  std::size_t arena_bytes = 0;
+  std::size_t bytes_used = 0;  // pages_used * page_bytes
+  std::uint64_t allocations = 0, frees = 0;
+};
+
+struct BlockInfo {
+  KvCodec k, v;
+  std::uint32_t flags = 0;
+  std::uint32_t fill = 0;
+  std::uint32_t refcount = 0;
+};
+
+class KvPool {
+ public:
+  static constexpr std::uint32_t kVersion = 1;
+  static constexpr std::size_t kLockAreaBytes = 256;
+
+  // Formats `arena` as an empty pool. Throws Error(invalid_argument) when the
+  // geometry is invalid or the arena cannot hold a single page.
+  static std::shared_ptr<KvPool> create(const PoolConfig& config, std::unique_ptr<Arena> arena,
+                                        std::unique_ptr<PoolLock> lock = nullptr);
+  // Same, in a zeroed heap arena of config.capacity_bytes.
+  static std::shared_ptr<KvPool> create(const PoolConfig& config);
+  // Opens an arena that create() formatted (possibly in another process),
+  // validating every header field against the arena's size.
+  static std::shared_ptr<KvPool> attach(std::unique_ptr<Arena> arena, std::unique_ptr<PoolLock> lock = nullptr);
+  // Arena bytes for `contexts` contexts of `tokens` tokens in `format`,
+  // including the hot blocks and the blocks a forward pass holds while it
+  // converts hot blocks to cold ones.
+  static std::size_t arena_bytes_for(const KvShape& shape, int block_tokens, const KvFormat& format, int tokens,
+                                     int contexts = 1);
+
+  ~KvPool();
+  KvPool(const KvPool&) = delete;
+  KvPool& operator=(const KvPool&) = delete;
+
+  const KvShape& shape() const noexcept { return shape_; }
+  int block_tokens() const noexcept { return block_tokens_; }
+
+  // A block with refcount 1 and fill 0. Throws Error(out_of_memory) when the
+  // pool lacks the pages or a free block header; nothing changes then.
+  BlockRef allocate(const KvCodec& k, const KvCodec& v, std::uint32_t flags);
+  void retain(BlockRef ref);
+  // Takes a reference only if `ref` still names a live block (index in range,
+  // same generation, refcount > 0); false otherwise.
+  bool try_retain(BlockRef ref) noexcept;
+  // Drops a reference; the block's pages return to the pool at zero.
+  void release(BlockRef ref);
+
+  BlockInfo info(BlockRef ref) const;
+  void set_fill(BlockRef ref, int fill);
+  // Tile of `kind` (0 = K, 1 = V) for one layer and KV head of a block.
+  std::byte* tile(BlockRef ref, int kind, int layer, int head) const;
+  // Bytes of a block's pages.
+  std::size_t block_bytes(BlockRef ref) const;
+  // Pages a block of these codecs takes.
+  std::uint32_t pages_for(const KvCodec& k, const KvCodec& v) const;
+
+  PoolCounters counters() const;
+  std::byte* lock_area() noexcept;
+
+ private:
+  struct Header;
+  struct BlockHeader;
+  KvPool(std::unique_ptr<Arena> arena, std::unique_ptr<PoolLock> lock);
+  void bind();  // reads geometry from the header into members
+  Header& header() const noexcept;
+  BlockHeader& block(std::uint32_t index) const noexcept;
+  BlockHeader& checked(BlockRef ref) const;  // live block or Error(internal)
+  std::uint32_t* page_next() const noexcept;
+
+  std::unique_ptr<Arena> arena_;
+  std::unique_ptr<PoolLock> lock_;
+  std::byte* base_ = nullptr;
+  KvShape shape_;
+  int block_tokens_ = 0;
+  std::size_t page_bytes_ = 0;
+  std::uint32_t n_pages_ = 0, n_blocks_ = 0, max_pages_ = 0;
+  std::size_t block_stride_ = 0, blocks_offset_ = 0, page_next_offset_ = 0, pages_offset_ = 0;
+};
+
+}  // namespace qkvshare

@@ -1,0 +1,203 @@
+#include "kv_attention.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/kernels/ops.hpp"
+#include "qkvshare/kv/kv_kernels.hpp"
+
+namespace qkvshare::kv {
+
+namespace {
+
+constexpr int kChunkTokens = 16;      // query tokens per job: a decoded tile serves them all
+constexpr int kPartitionBlocks = 16;  // keys per job in decode (split-K), merged afterwards
+
+struct Ops {
+  void (*decode)(const KvCodec&, const TileLayout&, const std::byte*, int, float*);
+  float (*dot)(const float*, const float*, int);
+  void (*axpy)(float*, float, const float*, int);
+  float (*exp_sum)(float*, int, float);
+};
+
+// The f32 reference: the same calls in the same order as DenseKvCache::attend
+// (kernels::attend_head_f32), so an f32 pool gives the dense cache's bits.
+void attend_exact(const AttendInput& in, ThreadPool& pool) {
+  const KvShape& s = in.shape;
+  const int D = s.head_dim, T = in.block_tokens, group = s.n_heads / s.n_kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const std::size_t jobs = static_cast<std::size_t>(in.n) * static_cast<std::size_t>(s.n_heads);
+  pool.parallel_for(jobs, 1, [&](std::size_t begin, std::size_t end, int) {
+    thread_local std::vector<float> scores;
+    scores.resize(static_cast<std::size_t>(in.first_pos + in.n));
+    for (std::size_t job = begin; job < end; ++job) {
+      const int t = static_cast<int>(job / static_cast<std::size_t>(s.n_heads));
+      const int h = static_cast<int>(job % static_cast<std::size_t>(s.n_heads));
+      const int kvh = h / group, n_keys = in.first_pos + t + 1;
+      const std::size_t qoff = static_cast<std::size_t>(t) * static_cast<std::size_t>(s.q_dim()) +
+                               static_cast<std::size_t>(h) * static_cast<std::size_t>(D);
+      const auto row = [&](const std::byte* const* tiles, int j) {
+        return reinterpret_cast<const float*>(tiles[(j / T) * s.n_kv_heads + kvh]) + (j % T) * D;
+      };
+      for (int j = 0; j < n_keys; ++j) scores[static_cast<std::size_t>(j)] = kernels::dot_f32(in.q + qoff, row(in.k_tiles, j), D) * scale;
+      kernels::softmax(scores.data(), n_keys);
+      std::memset(in.out + qoff, 0, sizeof(float) * static_cast<std::size_t>(D));
+      for (int j = 0; j < n_keys; ++j) kernels::axpy(in.out + qoff, scores[static_cast<std::size_t>(j)], row(in.v_tiles, j), D);
+    }
+  });
+}
+
+struct Partial {
+  float m, l;
+};
+
+// One job: KV head h, query tokens [t0, t1), key blocks [b0, b1).
+void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b0, int b1, bool partial,
+             Partial* part_ml, float* part_o) {
+  const KvShape& s = in.shape;
+  const int D = s.head_dim, T = in.block_tokens, G = s.n_heads / s.n_kv_heads;
+  const int nq = (t1 - t0) * G, keys = (b1 - b0) * T, total = in.first_pos + in.n;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  thread_local std::vector<float> qbuf, obuf, scores, tile;
+  qbuf.resize(static_cast<std::size_t>(nq) * D);
+  obuf.assign(static_cast<std::size_t>(nq) * D, 0.0f);
+  scores.resize(static_cast<std::size_t>(nq) * static_cast<std::size_t>(keys));
+  tile.resize(static_cast<std::size_t>(T) * D);
+  std::vector<int> visible(static_cast<std::size_t>(nq));  // keys of this partition query i sees
+  for (int i = 0; i < nq; ++i) {
+    const int t = t0 + i / G, qh = h * G + i % G;
+    std::memcpy(&qbuf[static_cast<std::size_t>(i) * D], in.q + static_cast<std::size_t>(t) * s.q_dim() + qh * D,
+                sizeof(float) * static_cast<std::size_t>(D));
+    if (in.rotate_k) rotate(&qbuf[static_cast<std::size_t>(i) * D], D);
+    visible[static_cast<std::size_t>(i)] = std::clamp(in.first_pos + t + 1 - b0 * T, 0, keys);
+  }
+  const int last_block = std::min(b1, (in.first_pos + t1 - 1) / T + 1);
+  for (int b = b0; b < last_block; ++b) {
+    const int rows = std::min(T, total - b * T);
+    const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
+    const TileLayout l = tile_layout(in.k_codecs[b], T, D);
+    const float* k = reinterpret_cast<const float*>(in.k_tiles[ti]);
+    if (in.k_codecs[b].type != KvType::f32) {
+      ops.decode(in.k_codecs[b], l, in.k_tiles[ti], rows, tile.data());
+      k = tile.data();
+    }
+    for (int i = 0; i < nq; ++i) {
+      const int lim = std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T);
+      float* sc = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
+      const float* qi = &qbuf[static_cast<std::size_t>(i) * D];
+      for (int j = 0; j < lim; ++j) sc[j] = ops.dot(qi, k + j * D, D) * scale;
+    }
+  }
+  std::vector<Partial> ml(static_cast<std::size_t>(nq));
+  for (int i = 0; i < nq; ++i) {
+    const int nv = visible[static_cast<std::size_t>(i)];
+    float* sc = &scores[static_cast<std::size_t>(i) * keys];
+    float m = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < nv; ++j) m = std::max(m, sc[j]);
+    ml[static_cast<std::size_t>(i)] = {m, nv > 0 ? ops.exp_sum(sc, nv, m) : 0.0f};
+  }
+  for (int b = b0; b < last_block; ++b) {
+    const int rows = std::min(T, total - b * T);
+    const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
+    const TileLayout l = tile_layout(in.v_codecs[b], T, D);
+    const float* v = reinterpret_cast<const float*>(in.v_tiles[ti]);
+    if (in.v_codecs[b].type != KvType::f32) {
+      ops.decode(in.v_codecs[b], l, in.v_tiles[ti], rows, tile.data());
+      v = tile.data();
+    }
+    for (int i = 0; i < nq; ++i) {
+      const int lim = std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T);
+      const float* p = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
+      float* o = &obuf[static_cast<std::size_t>(i) * D];
+      for (int j = 0; j < lim; ++j) ops.axpy(o, p[j], v + j * D, D);
+    }
+  }
+  for (int i = 0; i < nq; ++i) {
+    const int t = t0 + i / G, qh = h * G + i % G;
+    const float* o = &obuf[static_cast<std::size_t>(i) * D];
+    if (partial) {
+      const std::size_t slot = static_cast<std::size_t>(t) * s.n_heads + qh;
+      part_ml[slot] = ml[static_cast<std::size_t>(i)];
+      std::memcpy(part_o + slot * D, o, sizeof(float) * static_cast<std::size_t>(D));
+      continue;
+    }
+    float* dst = in.out + static_cast<std::size_t>(t) * s.q_dim() + qh * D;
+    const float inv = 1.0f / ml[static_cast<std::size_t>(i)].l;
+    for (int c = 0; c < D; ++c) dst[c] = o[c] * inv;
+    if (in.rotate_v) unrotate(dst, D);
+  }
+}
+
+}  // namespace
+
+void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool) {
+  const KvShape& s = in.shape;
+  QKV_CHECK(in.n > 0 && in.n_blocks * in.block_tokens >= in.first_pos + in.n);
+  bool all_f32 = true;
+  for (int b = 0; b < in.n_blocks; ++b)
+    all_f32 = all_f32 && in.k_codecs[b].type == KvType::f32 && in.v_codecs[b].type == KvType::f32;
+  if (path == AttendPath::exact || (path == AttendPath::automatic && all_f32 && !in.rotate_k && !in.rotate_v)) {
+    QKV_CHECK(all_f32 && !in.rotate_k && !in.rotate_v);
+    attend_exact(in, pool);
+    return;
+  }
+  bool simd = path == AttendPath::simd || (path == AttendPath::automatic && simd_supported());
+  if (simd && !simd_supported()) fail(ErrorCode::unsupported, "KV attention: this CPU lacks AVX2/FMA/F16C");
+  const Ops ops = simd ? Ops{decode_tile_simd, dot_simd, axpy_simd, exp_sum_simd}
+                       : Ops{decode_tile_scalar, dot_scalar, axpy_scalar, exp_sum_scalar};
+  const int chunks = (in.n + kChunkTokens - 1) / kChunkTokens;
+  // Few queries (decode): split the keys too, so every thread has work. The
+  // split depends on the problem only, never on the thread count, so results
+  // are the same on any machine.
+  const int parts = in.n <= 4 ? (in.n_blocks + kPartitionBlocks - 1) / kPartitionBlocks : 1;
+  const bool partial = parts > 1;
+  const std::size_t slots = static_cast<std::size_t>(in.n) * static_cast<std::size_t>(s.n_heads);
+  thread_local std::vector<Partial> ml;
+  thread_local std::vector<float> po;
+  if (partial) {
+    ml.assign(slots * static_cast<std::size_t>(parts), Partial{});
+    po.assign(slots * static_cast<std::size_t>(parts) * static_cast<std::size_t>(s.head_dim), 0.0f);
+  }
+  const std::size_t jobs = static_cast<std::size_t>(s.n_kv_heads) * chunks * parts;
+  Partial* ml_data = ml.data();
+  float* po_data = po.data();
+  pool.parallel_for(jobs, 1, [&](std::size_t begin, std::size_t end, int) {
+    for (std::size_t job = begin; job < end; ++job) {
+      const int p = static_cast<int>(job % static_cast<std::size_t>(parts));
+      const int c = static_cast<int>(job / static_cast<std::size_t>(parts) % static_cast<std::size_t>(chunks));
+      const int h = static_cast<int>(job / static_cast<std::size_t>(parts) / static_cast<std::size_t>(chunks));
+      const int t0 = c * kChunkTokens, t1 = std::min(in.n, t0 + kChunkTokens);
+      const int b0 = partial ? p * kPartitionBlocks : 0;
+      const int b1 = partial ? std::min(in.n_blocks, b0 + kPartitionBlocks) : in.n_blocks;
+      run_job(in, ops, h, t0, t1, b0, b1, partial, partial ? ml_data + slots * p : nullptr,
+              partial ? po_data + slots * p * s.head_dim : nullptr);
+    }
+  });
+  if (!partial) return;
+  // Merge the partitions' softmax pieces: weights exp(m_p - M).
+  const int D = s.head_dim;
+  for (std::size_t slot = 0; slot < slots; ++slot) {
+    float M = -std::numeric_limits<float>::infinity();
+    for (int p = 0; p < parts; ++p) M = std::max(M, ml[slots * p + slot].m);
+    float* dst = in.out + slot * static_cast<std::size_t>(D);  // slot = t * n_heads + qh
+    std::fill(dst, dst + D, 0.0f);
+    float L = 0.0f;
+    for (int p = 0; p < parts; ++p) {
+      const Partial& pm = ml[slots * p + slot];
+      if (pm.l == 0.0f) continue;
+      const float w = std::exp(pm.m - M);
+      L += w * pm.l;
+      const float* o = &po[(slots * p + slot) * static_cast<std::size_t>(D)];
+      for (int c = 0; c < D; ++c) dst[c] += w * o[c];
+    }
+    const float inv = 1.0f / L;
+    for (int c = 0; c < D; ++c) dst[c] *= inv;
+    if (in.rotate_v) unrotate(dst, D);
+  }
+}
+
+}  // namespace qkvshare::kv

@@ -1,0 +1,31 @@
+#pragma once
+// Attention over a context's blocks, read in place (DESIGN.md rule 4): each
+// job decodes one tile at a time into a block-sized scratch and reuses it for
+// every query head of the KV group and every query token of its chunk.
+#include <cstddef>
+
+#include "qkvshare/core/thread_pool.hpp"
+#include "qkvshare/kv/kv_format.hpp"
+#include "qkvshare/kv/pooled_kv_cache.hpp"
+
+namespace qkvshare::kv {
+
+struct AttendInput {
+  KvShape shape;
+  int block_tokens = 0;
+  int n_blocks = 0;   // blocks holding tokens [0, first_pos + n)
+  int first_pos = 0;  // position of the first query
+  int n = 0;          // queries (tokens)
+  const float* q = nullptr;  // [n][q_dim]
+  float* out = nullptr;      // [n][q_dim]
+  const std::byte* const* k_tiles = nullptr;  // [n_blocks][n_kv_heads]
+  const std::byte* const* v_tiles = nullptr;
+  const KvCodec* k_codecs = nullptr;  // [n_blocks]
+  const KvCodec* v_codecs = nullptr;
+  bool rotate_k = false;
+  bool rotate_v = false;
+};
+
+void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool);
+
+}  // namespace qkvshare::kv

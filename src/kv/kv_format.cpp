@@ -1,0 +1,246 @@
+#include "qkvshare/kv/kv_format.hpp"
+
+#include <charconv>
+#include <vector>
+
+#include "qkvshare/core/error.hpp"
+
+namespace qkvshare {
+
+namespace {
+
+constexpr std::size_t kTileAlign = 32;
+
+std::size_t round_up(std::size_t x, std::size_t a) { return (x + a - 1) / a * a; }
+
+// Bits -> type; 32 and 16 are the float types.
+bool type_for_bits(int bits, KvType& out) {
+  switch (bits) {
+    case 32: out = KvType::f32; return true;
+    case 16: out = KvType::f16; return true;
+    case 8: out = KvType::q8; return true;
+    case 4: out = KvType::q4; return true;
+    case 3: out = KvType::q3; return true;
+    case 2: out = KvType::q2; return true;
+    default: return false;
+  }
+}
+
+// The default codecs of a named format: keys per channel (outlier channels,
+// DESIGN.md), values per token in groups of 32 channels (KIVI).
+KvCodec default_codec(KvType type, bool is_key) {
+  if (type == KvType::f32 || type == KvType::f16) return {type, KvAxis::token, 0};
+  if (is_key) return {type, KvAxis::channel, 0};
+  return {type, KvAxis::token, static_cast<std::uint16_t>(type == KvType::q8 ? 0 : 32)};
+}
+
+int parse_int(std::string_view text, std::string_view what, std::string_view whole) {
+  int v = 0;
+  const auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc() || p != text.data() + text.size() || v < 0)
+    fail(ErrorCode::invalid_argument, "KV format '{}': {} '{}' is not a non-negative integer", whole, what, text);
+  return v;
+}
+
+std::string_view type_name(KvType t) {
+  switch (t) {
+    case KvType::f32: return "32";
+    case KvType::f16: return "16";
+    case KvType::q8: return "8";
+    case KvType::q4: return "4";
+    case KvType::q3: return "3";
+    case KvType::q2: return "2";
+  }
+  return "?";
+}
+
+}  // namespace
+
+int KvCodec::bits() const noexcept {
+  switch (type) {
+    case KvType::f32: return 32;
+    case KvType::f16: return 16;
+    case KvType::q8: return 8;
+    case KvType::q4: return 4;
+    case KvType::q3: return 3;
+    case KvType::q2: return 2;
+  }
+  return 0;
+}
+
+std::uint32_t KvCodec::pack() const noexcept {
+  return static_cast<std::uint32_t>(type) | (static_cast<std::uint32_t>(axis) << 8) |
+         (static_cast<std::uint32_t>(group) << 16);
+}
+
+KvCodec KvCodec::unpack(std::uint32_t packed) {
+  const std::uint32_t t = packed & 0xffu, a = (packed >> 8) & 0xffu;
+  if (t > static_cast<std::uint32_t>(KvType::q2) || a > 1)
+    fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: unknown type {} or axis {}", packed, t, a);
+  KvCodec c{static_cast<KvType>(t), static_cast<KvAxis>(a), static_cast<std::uint16_t>(packed >> 16)};
+  if (!c.quantized() && (c.axis != KvAxis::token || c.group != 0))
+    fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: float codecs take no axis or group", packed);
+  return c;
+}
+
+TileLayout tile_layout(const KvCodec& c, int block_tokens, int head_dim) {
+  if (block_tokens <= 0 || head_dim <= 0 || head_dim % 8 != 0)
+    fail(ErrorCode::unsupported, "KV tile of {} tokens x head_dim {}: head_dim must be a positive multiple of 8",
+         block_tokens, head_dim);
+  TileLayout t;
+  t.tokens = block_tokens;
+  t.head_dim = head_dim;
+  const auto T = static_cast<std::size_t>(block_tokens), D = static_cast<std::size_t>(head_dim);
+  switch (c.type) {
+    case KvType::f32: t.row_bytes = D * 4; break;
+    case KvType::f16: t.row_bytes = D * 2; break;
+    default: t.row_bytes = D / 8 * static_cast<std::size_t>(c.bits()); break;
+  }
+  t.code_bytes = T * t.row_bytes;
+  t.param_offset = round_up(t.code_bytes, 4);
+  if (c.quantized()) {
+    if (c.axis == KvAxis::channel) {
+      t.n_params = D;
+    } else {
+      const int g = c.group == 0 ? head_dim : std::min<int>(c.group, head_dim);
+      if (head_dim % g != 0)
+        fail(ErrorCode::invalid_argument, "KV codec group {} does not divide head_dim {}", g, head_dim);
+      t.n_params = T * D / static_cast<std::size_t>(g);
+    }
+    t.param_bytes = t.n_params * 4;
+  }
+  // Codes come first: the 3-bit unpacker reads 4 bytes for its last 3, which
+  // then fall on the params (or the padding) of the same tile.
+  t.bytes = round_up(t.param_offset + t.param_bytes + (c.quantized() ? 1 : 0), kTileAlign);
+  return t;
+}
+
+KvFormat KvFormat::parse(std::string_view text) {
+  const std::string whole(text);
+  std::vector<std::string_view> parts;
+  for (std::size_t pos = 0;;) {
+    const std::size_t end = text.find(':', pos);
+    parts.push_back(text.substr(pos, end == std::string_view::npos ? std::string_view::npos : end - pos));
+    if (end == std::string_view::npos) break;
+    pos = end + 1;
+  }
+  KvFormat f;
+  const std::string_view name = parts[0];
+  KvType kt{}, vt{};
+  if (name == "f32" || name == "f16" || name == "int8" || name == "int4" || name == "int3" || name == "int2") {
+    const int bits = name == "f32" ? 32 : name == "f16" ? 16 : parse_int(name.substr(3), "bits", whole);
+    type_for_bits(bits, kt);
+    vt = kt;
+  } else if (name.size() >= 4 && name[0] == 'k' && name.find('v') != std::string_view::npos) {
+    const std::size_t vpos = name.find('v');
+    const int kb = parse_int(name.substr(1, vpos - 1), "key bits", whole);
+    const int vb = parse_int(name.substr(vpos + 1), "value bits", whole);
+    if (!type_for_bits(kb, kt) || !type_for_bits(vb, vt))
+      fail(ErrorCode::invalid_argument, "KV format '{}': bits must be 32, 16, 8, 4, 3 or 2", whole);
+  } else {
+    fail(ErrorCode::invalid_argument,
+         "KV format '{}': unknown name '{}' (expected f32, f16, int8, int4, int3, int2 or kXvY such as k8v4)",
+         whole, name);
+  }
+  f.k = default_codec(kt, true);
+  f.v = default_codec(vt, false);
+  for (std::size_t i = 1; i < parts.size(); ++i) {
+    const std::string_view p = parts[i];
+    const std::size_t eq = p.find('=');
+    if (eq == std::string_view::npos)
+      fail(ErrorCode::invalid_argument, "KV format '{}': option '{}' is not key=value", whole, p);
+    const std::string_view key = p.substr(0, eq), val = p.substr(eq + 1);
+    if (key == "window") {
+      f.window = parse_int(val, "window", whole);
+    } else if (key == "sink") {
+      f.sink = parse_int(val, "sink", whole);
+    } else if (key == "kaxis") {
+      if (!f.k.quantized()) fail(ErrorCode::invalid_argument, "KV format '{}': kaxis needs integer keys", whole);
+      if (val == "channel") f.k.axis = KvAxis::channel, f.k.group = 0;
+      else if (val == "token") f.k.axis = KvAxis::token;
+      else fail(ErrorCode::invalid_argument, "KV format '{}': kaxis must be channel or token, got '{}'", whole, val);
+    } else if (key == "kgroup" || key == "vgroup") {
+      KvCodec& c = key == "kgroup" ? f.k : f.v;
+      if (!c.quantized() || c.axis != KvAxis::token)
+        fail(ErrorCode::invalid_argument, "KV format '{}': {} needs per-token integer codes", whole, key);
+      const int g = parse_int(val, key, whole);
+      if (g == 0 || g % 8 != 0 || g > 4096)
+        fail(ErrorCode::invalid_argument, "KV format '{}': {} must be a multiple of 8 up to 4096", whole, key);
+      c.group = static_cast<std::uint16_t>(g);
+    } else if (key == "rot") {
+      if (val != "none" && val != "k" && val != "v" && val != "kv")
+        fail(ErrorCode::invalid_argument, "KV format '{}': rot must be none, k, v or kv, got '{}'", whole, val);
+      f.rotate_k = val == "k" || val == "kv";
+      f.rotate_v = val == "v" || val == "kv";
+    } else {
+      fail(ErrorCode::invalid_argument,
+           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot)", whole, key);
+    }
+  }
+  if (f.window > (1 << 24) || f.sink > (1 << 24))
+    fail(ErrorCode::invalid_argument, "KV format '{}': window/sink too large", whole);
+  return f;
+}
+
+std::string KvFormat::to_string() const {
+  std::string s;
+  const KvFormat plain = [&] {
+    KvFormat d;
+    d.k = default_codec(k.type, true);
+    d.v = default_codec(v.type, false);
+    return d;
+  }();
+  if (k.type == v.type) {
+    s = k.type == KvType::f32 ? "f32" : k.type == KvType::f16 ? "f16" : fmt::format("int{}", k.bits());
+  } else {
+    s = fmt::format("k{}v{}", type_name(k.type), type_name(v.type));
+  }
+  if (window != 0) s += fmt::format(":window={}", window);
+  if (sink != 0) s += fmt::format(":sink={}", sink);
+  if (k.axis != plain.k.axis) s += k.axis == KvAxis::token ? ":kaxis=token" : ":kaxis=channel";
+  if (k.axis == KvAxis::token && k.group != plain.k.group && k.group != 0) s += fmt::format(":kgroup={}", k.group);
+  if (v.group != plain.v.group && v.group != 0) s += fmt::format(":vgroup={}", v.group);
+  if (rotate_k || rotate_v) s += rotate_k && rotate_v ? ":rot=kv" : rotate_k ? ":rot=k" : ":rot=v";
+  return s;
+}
+
+void KvFormat::validate(const KvShape& shape, int block_tokens) const {
+  if (block_tokens <= 0 || (block_tokens & (block_tokens - 1)) != 0)
+    fail(ErrorCode::invalid_argument, "KV block size {} is not a power of two", block_tokens);
+  tile_layout(k, block_tokens, shape.head_dim);
+  tile_layout(v, block_tokens, shape.head_dim);
+  if ((rotate_k || rotate_v) && (shape.head_dim & (shape.head_dim - 1)) != 0)
+    fail(ErrorCode::unsupported, "KV format '{}': Hadamard rotation needs a power-of-two head_dim, got {}",
+         to_string(), shape.head_dim);
+}
+
+double KvFormat::cold_bits(int block_tokens, int head_dim) const {
+  const TileLayout tk = tile_layout(k, block_tokens, head_dim), tv = tile_layout(v, block_tokens, head_dim);
+  const double elems = 2.0 * block_tokens * head_dim;
+  return static_cast<double>(tk.code_bytes + tk.param_bytes + tv.code_bytes + tv.param_bytes) * 8.0 / elems;
+}
+
+bool KvFormat::block_is_hot(int block, int tokens, int block_tokens) const noexcept {
+  const long long first = static_cast<long long>(block) * block_tokens, end = first + block_tokens;
+  if (end > tokens) return true;                 // partly filled tail
+  if (first < sink) return true;                 // attention sinks
+  return end > static_cast<long long>(tokens) - window;  // recent window
+}
+
+std::size_t KvFormat::context_bytes(const KvShape& shape, int block_tokens, int tokens) const {
+  const TileLayout ck = tile_layout(k, block_tokens, shape.head_dim), cv = tile_layout(v, block_tokens, shape.head_dim);
+  const TileLayout hk = tile_layout(hot_codec(k), block_tokens, shape.head_dim);
+  const TileLayout hv = tile_layout(hot_codec(v), block_tokens, shape.head_dim);
+  const std::size_t tiles = static_cast<std::size_t>(shape.n_layers) * static_cast<std::size_t>(shape.n_kv_heads);
+  std::size_t total = 0;
+  const int blocks = (tokens + block_tokens - 1) / block_tokens;
+  for (int b = 0; b < blocks; ++b) {
+    const bool hot = block_is_hot(b, tokens, block_tokens);
+    const TileLayout& lk = hot ? hk : ck;
+    const TileLayout& lv = hot ? hv : cv;
+    total += tiles * (lk.code_bytes + lk.param_bytes + lv.code_bytes + lv.param_bytes);
+  }
+  return total;
+}
+
+}  // namespace qkvshare

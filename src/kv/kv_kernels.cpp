@@ -1,0 +1,196 @@
+// Scalar reference kernels of the KV pool (the SIMD versions are in
+// kv_kernels_avx2.cpp and are tested against these).
+#include "qkvshare/kv/kv_kernels.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/core/half.hpp"
+
+namespace qkvshare::kv {
+
+namespace {
+
+std::uint16_t* scales_of(const TileLayout& l, std::byte* tile) {
+  return reinterpret_cast<std::uint16_t*>(tile + l.param_offset);
+}
+std::uint16_t* mins_of(const TileLayout& l, std::byte* tile) {
+  return reinterpret_cast<std::uint16_t*>(tile + l.param_offset + 2 * l.n_params);
+}
+
+// Channels per (scale, min) pair for per-token codes.
+int group_of(const KvCodec& c, int head_dim) { return c.group == 0 ? head_dim : std::min<int>(c.group, head_dim); }
+
+// Stores `count` codes of `bits` bits at `row`: 8 elements per `bits` bytes,
+// element i of a unit at bit i * bits (little endian). The layout is the same
+// for 2, 3, 4 and 8 bits, so one SIMD unpacker (broadcast, shift, mask) reads all.
+void pack_row(const std::uint8_t* codes, int count, int bits, std::byte* row) {
+  for (int u = 0; u < count / 8; ++u) {
+    std::uint64_t word = 0;
+    for (int i = 0; i < 8; ++i) word |= static_cast<std::uint64_t>(codes[u * 8 + i]) << (i * bits);
+    for (int b = 0; b < bits; ++b) row[u * bits + b] = static_cast<std::byte>((word >> (8 * b)) & 0xffu);
+  }
+}
+
+int unpack_code(const std::byte* row, int i, int bits) {
+  const int u = i / 8, k = i % 8;
+  std::uint64_t word = 0;
+  for (int b = 0; b < bits; ++b) word |= static_cast<std::uint64_t>(row[u * bits + b]) << (8 * b);
+  return static_cast<int>((word >> (k * bits)) & ((1u << bits) - 1u));
+}
+
+// (scale, min) for a run of values, both rounded to f16 as stored.
+void choose_params(float lo, float hi, int qmax, std::uint16_t& s16, std::uint16_t& m16) {
+  m16 = fp32_to_fp16(lo);
+  const float m = fp16_to_fp32(m16);
+  // The scale is computed from the rounded min so the top code still reaches hi.
+  s16 = fp32_to_fp16(std::max(hi - m, 0.0f) / static_cast<float>(qmax));
+}
+
+std::uint8_t quantize_one(float x, float s, float m, int qmax) {
+  if (!(s > 0.0f) || !std::isfinite(s)) return 0;
+  const float q = std::nearbyint((x - m) / s);
+  return static_cast<std::uint8_t>(std::clamp(q, 0.0f, static_cast<float>(qmax)));
+}
+
+}  // namespace
+
+void encode_row(const KvCodec& codec, const TileLayout& l, const float* row, int j, std::byte* tile) {
+  QKV_CHECK(!codec.quantized() && j >= 0 && j < l.tokens);
+  std::byte* dst = tile + static_cast<std::size_t>(j) * l.row_bytes;
+  if (codec.type == KvType::f32) {
+    std::memcpy(dst, row, l.row_bytes);
+  } else {
+    auto* h = reinterpret_cast<std::uint16_t*>(dst);
+    for (int c = 0; c < l.head_dim; ++c) h[c] = fp32_to_fp16(row[c]);
+  }
+}
+
+void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, std::byte* tile) {
+  const int T = l.tokens, D = l.head_dim;
+  if (!codec.quantized()) {
+    for (int j = 0; j < T; ++j) encode_row(codec, l, rows + static_cast<std::size_t>(j) * D, j, tile);
+    return;
+  }
+  const int bits = codec.bits(), qmax = (1 << bits) - 1;
+  std::uint16_t* scales = scales_of(l, tile);
+  std::uint16_t* mins = mins_of(l, tile);
+  std::uint8_t codes[4096];
+  QKV_CHECK(D <= 4096);
+  if (codec.axis == KvAxis::channel) {
+    for (int c = 0; c < D; ++c) {
+      float lo = rows[c], hi = rows[c];
+      for (int j = 1; j < T; ++j) {
+        lo = std::min(lo, rows[j * D + c]);
+        hi = std::max(hi, rows[j * D + c]);
+      }
+      choose_params(lo, hi, qmax, scales[c], mins[c]);
+    }
+    for (int j = 0; j < T; ++j) {
+      for (int c = 0; c < D; ++c)
+        codes[c] = quantize_one(rows[j * D + c], fp16_to_fp32(scales[c]), fp16_to_fp32(mins[c]), qmax);
+      pack_row(codes, D, bits, tile + static_cast<std::size_t>(j) * l.row_bytes);
+    }
+    return;
+  }
+  const int G = group_of(codec, D), groups = D / G;
+  for (int j = 0; j < T; ++j) {
+    const float* x = rows + static_cast<std::size_t>(j) * D;
+    for (int g = 0; g < groups; ++g) {
+      const float* xg = x + g * G;
+      const auto [lo, hi] = std::minmax_element(xg, xg + G);
+      const std::size_t p = static_cast<std::size_t>(j * groups + g);
+      choose_params(*lo, *hi, qmax, scales[p], mins[p]);
+      const float s = fp16_to_fp32(scales[p]), m = fp16_to_fp32(mins[p]);
+      for (int c = 0; c < G; ++c) codes[g * G + c] = quantize_one(xg[c], s, m, qmax);
+    }
+    pack_row(codes, D, bits, tile + static_cast<std::size_t>(j) * l.row_bytes);
+  }
+}
+
+void decode_tile_scalar(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
+  const int D = l.head_dim;
+  QKV_CHECK(n_rows >= 0 && n_rows <= l.tokens);
+  if (codec.type == KvType::f32) {
+    std::memcpy(out, tile, static_cast<std::size_t>(n_rows) * l.row_bytes);
+    return;
+  }
+  if (codec.type == KvType::f16) {
+    const auto* h = reinterpret_cast<const std::uint16_t*>(tile);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(n_rows) * static_cast<std::size_t>(D); ++i)
+      out[i] = fp16_to_fp32(h[i]);
+    return;
+  }
+  const int bits = codec.bits();
+  auto* t = const_cast<std::byte*>(tile);
+  const std::uint16_t* scales = scales_of(l, t);
+  const std::uint16_t* mins = mins_of(l, t);
+  const bool per_channel = codec.axis == KvAxis::channel;
+  const int G = per_channel ? 1 : group_of(codec, D), groups = per_channel ? 1 : D / G;
+  for (int j = 0; j < n_rows; ++j) {
+    const std::byte* row = tile + static_cast<std::size_t>(j) * l.row_bytes;
+    for (int c = 0; c < D; ++c) {
+      const std::size_t p = per_channel ? static_cast<std::size_t>(c) : static_cast<std::size_t>(j * groups + c / G);
+      // fma, like the SIMD path, so both decode to the same bits.
+      out[static_cast<std::size_t>(j) * D + c] =
+          std::fma(static_cast<float>(unpack_code(row, c, bits)), fp16_to_fp32(scales[p]), fp16_to_fp32(mins[p]));
+    }
+  }
+}
+
+float dot_scalar(const float* a, const float* b, int n) {
+  float s = 0.0f;
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy_scalar(float* y, float a, const float* x, int n) {
+  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+float exp_sum_scalar(float* x, int n, float max) {
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  return sum;
+}
+
+namespace {
+
+// A fixed pseudo-random sign per channel. Part of the stored format: changing
+// it changes what rotated blocks mean.
+float sign_of(int i) noexcept {
+  const std::uint64_t h = 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(i + 1);
+  return (h >> 63) != 0 ? -1.0f : 1.0f;
+}
+
+void fwht(float* x, int n) noexcept {
+  for (int len = 1; len < n; len <<= 1)
+    for (int i = 0; i < n; i += 2 * len)
+      for (int j = i; j < i + len; ++j) {
+        const float a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
+}
+
+}  // namespace
+
+void rotate(float* x, int n) noexcept {
+  for (int i = 0; i < n; ++i) x[i] *= sign_of(i);
+  fwht(x, n);
+  const float s = 1.0f / std::sqrt(static_cast<float>(n));
+  for (int i = 0; i < n; ++i) x[i] *= s;
+}
+
+void unrotate(float* x, int n) noexcept {
+  fwht(x, n);
+  const float s = 1.0f / std::sqrt(static_cast<float>(n));
+  for (int i = 0; i < n; ++i) x[i] *= s * sign_of(i);
+}
+
+}  // namespace qkvshare::kv

@@ -1,0 +1,159 @@
+// AVX2 + FMA + F16C versions of the tile kernels. The library is built for
+// the baseline ISA, so these functions carry their own target and are only
+// called after simd_supported() has checked the CPU at run time.
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_kernels.hpp"
+
+namespace qkvshare::kv {
+
+bool simd_supported() noexcept {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+    const bool f16c = (c & (1u << 29)) != 0;
+    return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace {
+
+inline __m256 load_f16x8(const std::uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 8 codes of `bits` bits from one unit (see pack_row in kv_kernels.cpp): a
+// broadcast 32-bit word shifted by i * bits per lane, then masked.
+template <int Bits>
+inline __m256 unpack8(const std::byte* unit) {
+  if constexpr (Bits == 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  } else {
+    std::uint32_t w;
+    std::memcpy(&w, unit, 4);  // may read past a 2/3-byte unit: the tile's params follow the codes
+    const __m256i shifts = _mm256_setr_epi32(0, Bits, 2 * Bits, 3 * Bits, 4 * Bits, 5 * Bits, 6 * Bits, 7 * Bits);
+    const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32((1 << Bits) - 1)));
+  }
+}
+
+template <int Bits>
+void decode_quant(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
+  const int D = l.head_dim, units = D / 8;
+  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + l.param_offset);
+  const auto* mins = scales + l.n_params;
+  if (codec.axis == KvAxis::channel) {
+    for (int j = 0; j < n_rows; ++j) {
+      const std::byte* row = tile + static_cast<std::size_t>(j) * l.row_bytes;
+      float* o = out + static_cast<std::size_t>(j) * D;
+      for (int u = 0; u < units; ++u) {
+        const __m256 x = unpack8<Bits>(row + u * Bits);
+        _mm256_storeu_ps(o + u * 8, _mm256_fmadd_ps(x, load_f16x8(scales + u * 8), load_f16x8(mins + u * 8)));
+      }
+    }
+    return;
+  }
+  const int G = codec.group == 0 ? D : std::min<int>(codec.group, D), groups = D / G, upg = G / 8;
+  for (int j = 0; j < n_rows; ++j) {
+    const std::byte* row = tile + static_cast<std::size_t>(j) * l.row_bytes;
+    float* o = out + static_cast<std::size_t>(j) * D;
+    for (int g = 0; g < groups; ++g) {
+      const std::size_t p = static_cast<std::size_t>(j * groups + g);
+      const __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[p])), m = _mm256_set1_ps(_cvtsh_ss(mins[p]));
+      for (int u = g * upg; u < (g + 1) * upg; ++u)
+        _mm256_storeu_ps(o + u * 8, _mm256_fmadd_ps(unpack8<Bits>(row + u * Bits), s, m));
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// exp(x) for x <= 0 (scores minus their max): Cephes-style range reduction
+// and a degree-6 polynomial, about 2 ulp.
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+}  // namespace
+
+void decode_tile_simd(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
+  QKV_CHECK(n_rows >= 0 && n_rows <= l.tokens);
+  const std::size_t n = static_cast<std::size_t>(n_rows) * static_cast<std::size_t>(l.head_dim);
+  switch (codec.type) {
+    case KvType::f32: std::memcpy(out, tile, n * 4); return;
+    case KvType::f16: {
+      const auto* h = reinterpret_cast<const std::uint16_t*>(tile);
+      for (std::size_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, load_f16x8(h + i));
+      return;
+    }
+    case KvType::q8: decode_quant<8>(codec, l, tile, n_rows, out); return;
+    case KvType::q4: decode_quant<4>(codec, l, tile, n_rows, out); return;
+    case KvType::q3: decode_quant<3>(codec, l, tile, n_rows, out); return;
+    case KvType::q2: decode_quant<2>(codec, l, tile, n_rows, out); return;
+  }
+}
+
+float dot_simd(const float* a, const float* b, int n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  if (i < n) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+void axpy_simd(float* y, float a, const float* x, int n) {
+  const __m256 va = _mm256_set1_ps(a);
+  for (int i = 0; i < n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+}
+
+float exp_sum_simd(float* x, int n, float max) {
+  const __m256 vm = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  return sum;
+}
+
+#pragma GCC pop_options
+
+}  // namespace qkvshare::kv

@@ -1,0 +1,235 @@
+// Random-weight GGUF files of named shapes (`qkvshare make-model`).
+#include "qkvshare/model/synthetic_model.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <filesystem>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/core/thread_pool.hpp"
+#include "qkvshare/kernels/quant.hpp"
+#include "qkvshare/model/gguf.hpp"
+
+namespace qkvshare {
+
+namespace {
+
+constexpr float kInitStd = 0.02f;
+
+SyntheticShape make_shape(std::string name, std::string arch, int layers, int d, int heads, int kv_heads, int ff,
+                          int vocab, int ctx, float theta, float eps) {
+  SyntheticShape s;
+  s.name = std::move(name);
+  s.architecture = std::move(arch);
+  s.n_layers = layers;
+  s.d_model = d;
+  s.n_heads = heads;
+  s.n_kv_heads = kv_heads;
+  s.d_ff = ff;
+  s.vocab_size = vocab;
+  s.context_length = ctx;
+  s.rope_theta = theta;
+  s.rms_eps = eps;
+  return s;
+}
+
+std::uint64_t splitmix64(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// Approximately N(0, std^2): the sum of four 16-bit uniforms (Irwin-Hall),
+// centred and scaled. Cheap enough for a billion weights; the tails are bounded
+// at 2*sqrt(3)*std, which keeps every activation finite.
+void fill_normal(float* out, std::int64_t n, std::uint64_t state, float stddev) {
+  constexpr float kScale = 1.7320508f / 65536.0f;  // sqrt(3) / 2^16
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint64_t r = splitmix64(state);
+    const auto sum = static_cast<float>((r & 0xFFFF) + ((r >> 16) & 0xFFFF) + ((r >> 32) & 0xFFFF) + (r >> 48));
+    out[i] = (sum - 131070.0f) * kScale * stddev;
+  }
+}
+
+std::uint32_t file_type_of(GgmlType type) {
+  switch (type) {
+    case GgmlType::F16: return 1;
+    case GgmlType::Q4_0: return 2;
+    case GgmlType::Q8_0: return 7;
+    default: return 0;
+  }
+}
+
+class TensorMaker {
+ public:
+  TensorMaker(GgufWriter& writer, const SyntheticOptions& options)
+      : writer_(writer), options_(options), pool_(options.n_threads) {}
+
+  // A [rows x cols] matrix (GGUF shape {cols, rows}) of N(0, 0.02) in `type`.
+  void random(const std::string& name, GgmlType type, std::int64_t cols, std::int64_t rows) {
+    const std::size_t row_bytes = type_row_bytes(type, cols);
+    std::vector<std::uint8_t> data(row_bytes * static_cast<std::size_t>(rows));
+    const std::uint64_t tensor_seed = options_.seed * 0x100000001B3ULL + index_++;
+    pool_.parallel_for(static_cast<std::size_t>(rows), 16, [&](std::size_t begin, std::size_t end, int) {
+      std::vector<float> row(static_cast<std::size_t>(cols));
+      for (std::size_t r = begin; r < end; ++r) {
+        std::uint64_t key = tensor_seed ^ (static_cast<std::uint64_t>(r) << 32);
+        fill_normal(row.data(), cols, splitmix64(key), kInitStd);
+        kernels::quantize_row_ref(type, row.data(), data.data() + r * row_bytes, cols);
+      }
+    });
+    writer_.add_tensor(name, type, rows == 1 ? std::vector<std::int64_t>{cols} : std::vector<std::int64_t>{cols, rows},
+                       std::move(data));
+  }
+
+  // An F32 vector of ones (RMSNorm weights).
+  void ones(const std::string& name, std::int64_t n) {
+    std::vector<float> v(static_cast<std::size_t>(n), 1.0f);
+    std::vector<std::uint8_t> data(reinterpret_cast<const std::uint8_t*>(v.data()),
+                                   reinterpret_cast<const std::uint8_t*>(v.data() + n));
+    ++index_;
+    writer_.add_tensor(name, GgmlType::F32, {n}, std::move(data));
+  }
+
+ private:
+  static std::size_t type_row_bytes(GgmlType type, std::int64_t cols) {
+    const TypeTraits& t = type_traits(type);
+    return static_cast<std::size_t>(cols / t.block_size) * t.type_size;
+  }
+
+  GgufWriter& writer_;
+  const SyntheticOptions& options_;
+  ThreadPool pool_;
+  std::uint64_t index_ = 0;
+};
+
+void write_metadata(GgufWriter& w, const SyntheticShape& s, GgmlType type) {
+  const std::string a = s.architecture + ".";
+  w.set_string("general.architecture", s.architecture);
+  w.set_string("general.name", "synthetic " + s.name);
+  w.set_string("general.description", "random weights made by qkvshare make-model; for benchmarks and tests only");
+  w.set_u32("general.file_type", file_type_of(type));
+  w.set_u32("general.quantization_version", 2);
+  w.set_u32(a + "context_length", static_cast<std::uint32_t>(s.context_length));
+  w.set_u32(a + "embedding_length", static_cast<std::uint32_t>(s.d_model));
+  w.set_u32(a + "block_count", static_cast<std::uint32_t>(s.n_layers));
+  w.set_u32(a + "feed_forward_length", static_cast<std::uint32_t>(s.d_ff));
+  w.set_u32(a + "attention.head_count", static_cast<std::uint32_t>(s.n_heads));
+  w.set_u32(a + "attention.head_count_kv", static_cast<std::uint32_t>(s.n_kv_heads));
+  w.set_f32(a + "attention.layer_norm_rms_epsilon", s.rms_eps);
+  w.set_f32(a + "rope.freq_base", s.rope_theta);
+  w.set_u32(a + "rope.dimension_count", static_cast<std::uint32_t>(s.head_dim()));
+  w.set_u32(a + "vocab_size", static_cast<std::uint32_t>(s.vocab_size));
+
+  SyntheticVocab v = make_synthetic_vocab(s.vocab_size);
+  w.set_string("tokenizer.ggml.model", "gpt2");
+  w.set_string("tokenizer.ggml.pre", "gpt2");
+  w.set_string_array("tokenizer.ggml.tokens", v.tokens);
+  w.set_i32_array("tokenizer.ggml.token_type", v.types);
+  w.set_string_array("tokenizer.ggml.merges", v.merges);
+  w.set_u32("tokenizer.ggml.bos_token_id", static_cast<std::uint32_t>(v.bos_id));
+  w.set_u32("tokenizer.ggml.eos_token_id", static_cast<std::uint32_t>(v.eos_id));
+  w.set_u32("tokenizer.ggml.padding_token_id", static_cast<std::uint32_t>(v.bos_id));
+  w.set_bool("tokenizer.ggml.add_bos_token", false);
+}
+
+}  // namespace
+
+std::int64_t SyntheticShape::n_params() const noexcept {
+  const std::int64_t d = d_model, kv = static_cast<std::int64_t>(n_kv_heads) * head_dim(), ff = d_ff;
+  std::int64_t layer = d * d * 2 + d * kv * 2 + 3 * d * ff + 2 * d;
+  if (architecture == "qwen2") layer += d + 2 * kv;
+  return static_cast<std::int64_t>(vocab_size) * d * (tied_embedding ? 1 : 2) + layer * n_layers + d;
+}
+
+const std::vector<SyntheticShape>& synthetic_shapes() {
+  static const std::vector<SyntheticShape> shapes = {
+      make_shape("smollm2-135m", "llama", 30, 576, 9, 3, 1536, 49152, 8192, 100000.0f, 1e-5f),
+      make_shape("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 4864, 151936, 32768, 1000000.0f, 1e-6f),
+      make_shape("llama3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, 500000.0f, 1e-5f),
+      make_shape("tiny-llama", "llama", 2, 64, 4, 2, 128, 512, 256, 10000.0f, 1e-5f),
+      make_shape("tiny-qwen2", "qwen2", 2, 64, 4, 2, 128, 512, 256, 1000000.0f, 1e-6f),
+  };
+  return shapes;
+}
+
+const SyntheticShape& find_synthetic_shape(std::string_view name) {
+  std::string known;
+  for (const SyntheticShape& s : synthetic_shapes()) {
+    if (s.name == name) return s;
+    known += (known.empty() ? "" : ", ") + s.name;
+  }
+  fail(ErrorCode::invalid_argument, "--shape: unknown shape '{}' (known: {})", name, known);
+}
+
+GgmlType parse_synthetic_type(std::string_view text) {
+  std::string upper(text);
+  std::transform(upper.begin(), upper.end(), upper.begin(), [](unsigned char c) { return std::toupper(c); });
+  if (upper == "F16") return GgmlType::F16;
+  if (upper == "Q8_0") return GgmlType::Q8_0;
+  if (upper == "Q4_0") return GgmlType::Q4_0;
+  fail(ErrorCode::invalid_argument, "--type: '{}' is not a weight type make-model writes (F16, Q8_0, Q4_0)", text);
+}
+
+void validate_shape(const SyntheticShape& s, GgmlType type) {
+  const auto bad = [&](std::string_view what) {
+    fail(ErrorCode::invalid_argument, "shape '{}': {}", s.name, what);
+  };
+  if (s.architecture != "llama" && s.architecture != "qwen2")
+    bad(fmt::format("architecture '{}' is not llama or qwen2", s.architecture));
+  if (s.n_layers < 1 || s.n_layers > 1024) bad(fmt::format("{} layers is outside [1, 1024]", s.n_layers));
+  if (s.d_model < 2 || s.d_model > (1 << 16)) bad(fmt::format("d_model {} is outside [2, 65536]", s.d_model));
+  if (s.n_heads < 1 || s.d_model % s.n_heads != 0)
+    bad(fmt::format("d_model {} is not a multiple of {} heads", s.d_model, s.n_heads));
+  if (s.n_kv_heads < 1 || s.n_heads % s.n_kv_heads != 0)
+    bad(fmt::format("{} heads is not a multiple of {} KV heads", s.n_heads, s.n_kv_heads));
+  if (s.head_dim() % 2 != 0) bad(fmt::format("head size {} is odd (RoPE needs pairs)", s.head_dim()));
+  if (s.d_ff < 1 || s.d_ff > (1 << 18)) bad(fmt::format("d_ff {} is outside [1, 262144]", s.d_ff));
+  if (s.context_length < 1) bad(fmt::format("context length {} is not positive", s.context_length));
+  if (!(s.rms_eps > 0.0f && s.rms_eps < 1.0f)) bad("rms_eps must be in (0, 1)");
+  if (!(s.rope_theta > 1.0f)) bad("rope_theta must be > 1");
+  const std::int64_t block = type_traits(type).block_size;
+  for (const auto& [what, n] : {std::pair{"d_model", s.d_model}, std::pair{"d_ff", s.d_ff}})
+    if (n % block != 0)
+      bad(fmt::format("{} {} is not a multiple of the {} block size {}", what, n, type_name(type), block));
+  make_synthetic_vocab(s.vocab_size);  // throws on a bad vocabulary size
+}
+
+std::uint64_t write_synthetic_model(const SyntheticShape& s, const SyntheticOptions& options,
+                                    const std::string& path) {
+  parse_synthetic_type(type_name(options.type));  // only the types make-model supports
+  validate_shape(s, options.type);
+  GgufWriter w;
+  write_metadata(w, s, options.type);
+  // GgufWriter keeps every tensor in memory and serialises the file into one
+  // more buffer, so writing peaks at about twice the file size.
+  TensorMaker make(w, options);
+  const std::int64_t d = s.d_model, kv = static_cast<std::int64_t>(s.n_kv_heads) * s.head_dim(), ff = s.d_ff;
+  const GgmlType t = options.type;
+  make.random("token_embd.weight", t, d, s.vocab_size);
+  for (int l = 0; l < s.n_layers; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    make.ones(p + "attn_norm.weight", d);
+    make.random(p + "attn_q.weight", t, d, d);
+    make.random(p + "attn_k.weight", t, d, kv);
+    make.random(p + "attn_v.weight", t, d, kv);
+    if (s.architecture == "qwen2") {
+      make.random(p + "attn_q.bias", GgmlType::F32, d, 1);
+      make.random(p + "attn_k.bias", GgmlType::F32, kv, 1);
+      make.random(p + "attn_v.bias", GgmlType::F32, kv, 1);
+    }
+    make.random(p + "attn_output.weight", t, d, d);
+    make.ones(p + "ffn_norm.weight", d);
+    make.random(p + "ffn_gate.weight", t, d, ff);
+    make.random(p + "ffn_up.weight", t, d, ff);
+    make.random(p + "ffn_down.weight", t, ff, d);
+  }
+  make.ones("output_norm.weight", d);
+  if (!s.tied_embedding) make.random("output.weight", t, d, s.vocab_size);
+  w.write(path);
+  return std::filesystem::file_size(path);
+}
+
+}  // namespace qkvshare

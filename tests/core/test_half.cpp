@@ -1,0 +1,58 @@
+#include <gtest/gtest.h>
+#include <immintrin.h>
+
+#include <bit>
+#include <cmath>
+
+#include "qkvshare/core/half.hpp"
+
+namespace qkvshare {
+namespace {
+
+// The scalar conversions are checked against the CPU's own F16C instructions
+// over every half value and a sweep of floats.
+__attribute__((target("f16c"))) std::uint16_t hw_to_half(float f) {
+  return static_cast<std::uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+}
+__attribute__((target("f16c"))) float hw_to_float(std::uint16_t h) { return _cvtsh_ss(h); }
+
+TEST(Half, EveryHalfConvertsToTheSameFloatAsF16C) {
+  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "no F16C on this CPU";
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    const float want = hw_to_float(static_cast<std::uint16_t>(h));
+    const float got = fp16_to_fp32(static_cast<std::uint16_t>(h));
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(got)) << h;
+    } else {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(want), std::bit_cast<std::uint32_t>(got)) << h;
+    }
+  }
+}
+
+TEST(Half, FloatToHalfRoundsLikeF16C) {
+  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "no F16C on this CPU";
+  // Every 97th float bit pattern covers normals, subnormals, ties, overflow and NaN.
+  for (std::uint64_t bits = 0; bits <= 0xffffffffull; bits += 97) {
+    const float f = std::bit_cast<float>(static_cast<std::uint32_t>(bits));
+    const std::uint16_t want = hw_to_half(f);
+    const std::uint16_t got = fp32_to_fp16(f);
+    if (std::isnan(f)) {
+      ASSERT_EQ(got & 0x7c00u, 0x7c00u);
+      ASSERT_NE(got & 0x03ffu, 0u);
+    } else {
+      ASSERT_EQ(want, got) << std::hex << bits;
+    }
+  }
+}
+
+TEST(Half, Bf16RoundTripAndRounding) {
+  EXPECT_EQ(bf16_to_fp32(fp32_to_bf16(1.0f)), 1.0f);
+  EXPECT_EQ(bf16_to_fp32(fp32_to_bf16(-3.5f)), -3.5f);
+  // 1 + 2^-8 is a tie between 1 and 1 + 2^-7: round to even gives 1.
+  EXPECT_EQ(bf16_to_fp32(fp32_to_bf16(1.0f + 1.0f / 256.0f)), 1.0f);
+  EXPECT_TRUE(std::isnan(bf16_to_fp32(fp32_to_bf16(std::nanf("")))));
+  EXPECT_TRUE(std::isinf(bf16_to_fp32(fp32_to_bf16(INFINITY))));
+}
+
+}  // namespace
+}  // namespace qkvshare
