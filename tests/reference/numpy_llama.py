@@ -18,6 +18,8 @@ Python API:
     m = load_model(path)              # GGUF (arch "llama") or llama2.c .bin
     m.logits(token_ids) -> np.ndarray [n, vocab]  (all positions, one pass)
     m.greedy(prompt_ids, n_new) -> list[int]      (KV-cached, argmax)
+    m.act_q8 = True   # simulate 8-bit (Q8_0, block 32) matmul inputs, to size
+                      # tolerances for engines that quantize activations
 
 CLI:
     python3 numpy_llama.py MODEL --ids 1,2,3 [--greedy N] [--json]
@@ -434,9 +436,12 @@ def main(argv=None) -> int:
     ap.add_argument("-p", "--prompt", help="text prompt (llama2.c models only; BOS prepended)")
     ap.add_argument("--greedy", type=int, metavar="N", help="generate N tokens greedily")
     ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--act-q8", action="store_true",
+                    help="round matmul inputs to 8 bits (Q8_0 blocks of 32), llama.cpp style")
     a = ap.parse_args(argv)
 
     model = load_model(a.model)
+    model.act_q8 = a.act_q8
     tok = Llama2cTokenizer(a.tokenizer) if a.tokenizer else None
     if a.ids:
         ids = [int(s) for s in a.ids.split(",") if s.strip()]

@@ -14,8 +14,9 @@ Metric per position (ref = reference logits row, ours = engine row):
   argmax(ours) == argmax(ref) wherever the reference's top-2 margin exceeds
   `tie` * std(ref) (a near-tie may legitimately flip).
 Greedy: the id sequences must be identical; the only allowed divergence is at
-a step where the reference itself rates the engine's pick within
-2 * max_rel * std of its own (what the logit bound permits); comparison stops there.
+a step where the reference itself rates the engine's pick within `greedy_gap`
+* std of its own pick (a near-tie; in the f32 profile that is 2 * max_rel, what
+the logit bound permits); comparison stops there, and the run reports it.
 
 Tolerance profile from QKVSHARE_REF_PROFILE (README.md gives the measurements):
   f32   (default) engine computes in float32 with float activations.
@@ -36,15 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy_llama  # noqa: E402
 
 PROFILES = {
-    # Measured (numpy float32 forward vs float64): rel <= 4e-5, KL <= 2e-10 on
-    # SmolLM2; the C++ engine today: see README.md. Bounds leave ~50x headroom
-    # for other summation orders / SIMD while catching real bugs (a wrong eps,
-    # rope theta or mask shows up as rel >> 1e-2).
-    "f32": dict(max_rel=2e-3, kl_max=1e-5, kl_mean=1e-6, tie=1e-3),
-    # Measured with numpy_llama's act_q8 simulation (Q8_0 rounding of every
-    # matmul input, blocks of 32) vs float64: rel up to 0.57, KL up to 0.052
-    # (SmolLM2 has outlier channels that crush the other 31 values of their block).
-    "q8act": dict(max_rel=1.5, kl_max=0.25, kl_mean=0.05, tie=0.5),
+    # Engine today (float32, float activations), measured: rel <= 1.6e-5,
+    # KL <= 4e-11 on SmolLM2; rel <= 1.3e-6 on stories260K (README.md). A numpy
+    # float32 forward gives the same (rel <= 4e-5). The bounds leave ~100x room
+    # for other summation orders / SIMD / fast exp, yet catch subtle bugs: an
+    # RMSNorm eps of 1e-6 instead of 1e-5 gives rel 8e-3, a 1% scale error in
+    # one layer's ffn_down gives rel 5e-2.
+    "f32": dict(max_rel=2e-3, kl_max=1e-5, kl_mean=1e-6, tie=1e-3, greedy_gap=4e-3),
+    # Engine rounding every matmul input to 8 bits per block of 32 (llama.cpp
+    # style). Sized with numpy_llama's act_q8 simulation vs float64 on these
+    # prompts: rel <= 0.57, KL <= 0.052 (mean <= 7e-3), argmax flips only at
+    # reference margins <= 0.024 std, greedy divergence at gaps <= 0.024 std.
+    # SmolLM2 has outlier channels that crush the other 31 values of their
+    # block, hence the large rel. This profile still catches a wrong rope theta
+    # (rel 2.8, mean KL 0.08) or GQA mapping, but not an eps slip.
+    "q8act": dict(max_rel=1.5, kl_max=0.15, kl_mean=0.02, tie=0.25, greedy_gap=0.25),
 }
 PROFILE_NAME = os.environ.get("QKVSHARE_REF_PROFILE", "f32")
 if PROFILE_NAME not in PROFILES:
@@ -228,7 +235,7 @@ def test_greedy_matches_reference(request, cli_json, ref_cache, metrics_log,
         return
     row = lg[first]
     gap = (row[ref_pick[first]] - row[ours[first]]) / row.std()
-    allowed = 2 * TOL["max_rel"]
+    allowed = TOL["greedy_gap"]
     line = (f"[{PROFILE_NAME}] {model}-{case} greedy: DIVERGES at step {first}: engine {ours[first]}, "
             f"reference {ref_pick[first]}, reference gap {gap:.2e} std (allowed {allowed:.1e})")
     metrics_log.append(line)

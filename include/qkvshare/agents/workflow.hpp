@@ -1,0 +1,66 @@
+#pragma once
+// Workflow files: agents (role, prompt template, generation settings, KV
+// format) and steps forming a DAG whose edges carry a handoff mode. The
+// schema is documented in docs/workflows.md; examples live in examples/.
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qkvshare/engine/sampler.hpp"
+
+namespace qkvshare::agents {
+
+enum class HandoffMode {
+  text,       // re-encode the upstream output as text (the baseline)
+  continue_,  // append to the upstream context itself: exact, exclusive
+  fork,       // branch from the upstream context, shared with other forks
+};
+std::string_view to_string(HandoffMode mode) noexcept;
+
+struct AgentSpec {
+  std::string name;
+  std::string system;           // system message of the agent's role
+  std::string prompt;           // template: {task}, {inputs}, {output:STEP}
+  int max_tokens = 128;
+  SamplingParams sampling;      // temperature 0 (greedy) unless set
+  std::vector<std::string> stop;
+  std::string kv;               // KV format name; empty: the run's default
+  int line = 0;
+};
+
+struct StepInput {
+  std::string from;  // upstream step id
+  HandoffMode mode = HandoffMode::text;
+  int line = 0;
+};
+
+struct StepSpec {
+  std::string id;
+  std::string agent;
+  std::string prompt;  // overrides the agent's template when set
+  std::vector<StepInput> inputs;
+  int line = 0;
+
+  // The input whose context this step builds on (continue or fork), if any.
+  const StepInput* context_input() const;
+};
+
+struct Workflow {
+  std::string name;
+  std::string task;  // fills {task}
+  std::string source;  // file name, for messages
+  std::map<std::string, AgentSpec> agents;
+  std::vector<StepSpec> steps;   // as written
+  std::vector<int> order;        // steps in a dependency order
+
+  const StepSpec& step(const std::string& id) const;
+  // How many later steps read step `id`'s output or context.
+  int consumer_count(const std::string& id) const;
+
+  // Parses and validates; throws Error(bad_workflow) with "<source>:<line>: <reason>".
+  static Workflow parse(const std::string& yaml_text, const std::string& source = "<workflow>");
+  static Workflow load(const std::string& path);
+};
+
+}  // namespace qkvshare::agents

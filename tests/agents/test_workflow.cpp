@@ -1,0 +1,145 @@
+#include <gtest/gtest.h>
+
+#include "qkvshare/agents/workflow.hpp"
+#include "qkvshare/core/error.hpp"
+
+namespace qkvshare::agents {
+namespace {
+
+const char* kGood = R"(name: review chain
+task: Write about tides.
+agents:
+  researcher:
+    system: You research.
+    prompt: "Collect facts for: {task}"
+    max_tokens: 64
+  writer:
+    role: writer
+    prompt: "Write a paragraph from the notes."
+    kv: int8
+  reviewer:
+    prompt: "Review: {output:write}"
+    temperature: 0.7
+    seed: 3
+steps:
+  - id: research
+    agent: researcher
+  - id: write
+    agent: writer
+    inputs: [{from: research, mode: continue}]
+  - id: review
+    agent: reviewer
+    inputs:
+      - write
+)";
+
+TEST(Workflow, ParsesAgentsStepsAndOrder) {
+  const Workflow w = Workflow::parse(kGood, "good.yaml");
+  EXPECT_EQ(w.name, "review chain");
+  EXPECT_EQ(w.task, "Write about tides.");
+  ASSERT_EQ(w.agents.size(), 3u);
+  EXPECT_EQ(w.agents.at("researcher").max_tokens, 64);
+  EXPECT_EQ(w.agents.at("writer").system, "You are the writer.");
+  EXPECT_EQ(w.agents.at("writer").kv, "int8");
+  EXPECT_FLOAT_EQ(w.agents.at("reviewer").sampling.temperature, 0.7f);
+  EXPECT_FLOAT_EQ(w.agents.at("writer").sampling.temperature, 0.0f);  // greedy by default
+  ASSERT_EQ(w.steps.size(), 3u);
+  EXPECT_EQ(w.steps[1].inputs[0].mode, HandoffMode::continue_);
+  EXPECT_EQ(w.steps[2].inputs[0].mode, HandoffMode::text);
+  EXPECT_EQ(w.order, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(w.consumer_count("research"), 1);
+  EXPECT_EQ(w.consumer_count("review"), 0);
+  EXPECT_EQ(w.steps[1].context_input()->from, "research");
+}
+
+TEST(Workflow, OrderFollowsDependenciesNotTheWrittenOrder) {
+  const Workflow w = Workflow::parse(R"(agents: {a: {prompt: go}}
+steps:
+  - {id: last, agent: a, inputs: [first]}
+  - {id: first, agent: a}
+)");
+  EXPECT_EQ(w.order, (std::vector<int>{1, 0}));
+}
+
+// Each bad file must fail with bad_workflow and a message holding `want`.
+void expect_bad(const std::string& yaml, const std::string& want) {
+  try {
+    Workflow::parse(yaml, "bad.yaml");
+    FAIL() << "accepted:\n" << yaml;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::bad_workflow) << e.what();
+    EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("bad.yaml"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Workflow, RejectsCycles) {
+  expect_bad(R"(agents: {a: {prompt: go}}
+steps:
+  - {id: x, agent: a, inputs: [y]}
+  - {id: y, agent: a, inputs: [x]}
+)",
+             "cycle: x, y");
+}
+
+TEST(Workflow, RejectsUnknownAgentsStepsFieldsAndModes) {
+  expect_bad("agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: nobody}\n", "bad.yaml:3: step 'x' uses unknown agent 'nobody'");
+  expect_bad("agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: a, inputs: [ghost]}\n", "unknown step 'ghost'");
+  expect_bad("agents: {a: {prompt: go, colour: red}}\nsteps: [{id: x, agent: a}]\n", "unknown field 'colour'");
+  expect_bad("agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: a}\n  - {id: y, agent: a, inputs: [{from: x, mode: teleport}]}\n",
+             "bad.yaml:4: unknown handoff mode 'teleport'");
+  expect_bad("agents: {a: {prompt: go}}\nsteps: [{id: x, agent: a}, {id: x, agent: a}]\n", "duplicate step id 'x'");
+  expect_bad("agents: {a: {prompt: go}}\nsteps: [{id: x, agent: a, inputs: [x]}]\n", "reads itself");
+  expect_bad("agents: {a: {prompt: go}}\nsteps: [{agent: a}]\n", "needs 'id'");
+  expect_bad("agents: {a: {prompt: go}}\nsteps: []\n", "'steps' must be a non-empty list");
+  expect_bad("steps: [{id: x, agent: a}]\n", "'agents' must be a non-empty mapping");
+  expect_bad("- just\n- a list\n", "must be a mapping");
+}
+
+TEST(Workflow, RejectsBadFieldValues) {
+  expect_bad("agents: {a: {prompt: go, max_tokens: -3}}\nsteps: [{id: x, agent: a}]\n", "max_tokens");
+  expect_bad("agents: {a: {prompt: go, max_tokens: lots}}\nsteps: [{id: x, agent: a}]\n", "max_tokens: 'lots'");
+  expect_bad("agents: {a: {prompt: go, top_p: 7}}\nsteps: [{id: x, agent: a}]\n", "top-p");
+  expect_bad("agents: {a: {prompt: '{weather}'}}\nsteps: [{id: x, agent: a}]\n", "unknown placeholder '{weather}'");
+  expect_bad("agents: {a: {system: s}}\nsteps: [{id: x, agent: a}]\n", "has no prompt");
+  expect_bad("agents: {a: {prompt: [1, 2]}}\nsteps: [{id: x, agent: a}]\n", "prompt must be a scalar");
+}
+
+TEST(Workflow, ContextEdgesAreConstrained) {
+  expect_bad(R"(agents: {a: {prompt: go}}
+steps:
+  - {id: x, agent: a}
+  - {id: y, agent: a, inputs: [{from: x, mode: continue}]}
+  - {id: z, agent: a, inputs: [{from: x, mode: continue}]}
+)",
+             "use mode fork");
+  expect_bad(R"(agents: {a: {prompt: go}}
+steps:
+  - {id: x, agent: a}
+  - {id: w, agent: a}
+  - {id: y, agent: a, inputs: [{from: x, mode: fork}, {from: w, mode: continue}]}
+)",
+             "more than one context");
+  EXPECT_NO_THROW(Workflow::parse(R"(agents: {a: {prompt: go}}
+steps:
+  - {id: doc, agent: a}
+  - {id: q1, agent: a, inputs: [{from: doc, mode: fork}]}
+  - {id: q2, agent: a, inputs: [{from: doc, mode: fork}]}
+  - {id: agg, agent: a, inputs: [q1, q2]}
+)"));
+}
+
+TEST(Workflow, YamlSyntaxErrorHasALine) { expect_bad("agents:\n  a: {prompt: go\nsteps: [\n", "YAML syntax error"); }
+
+TEST(Workflow, MissingFileIsAnIoError) {
+  try {
+    Workflow::load("/nonexistent/flow.yaml");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::io);
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/flow.yaml"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace qkvshare::agents
