@@ -4,6 +4,6 @@ function(qkvshare_warnings target)
     -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wcast-align
     -Woverloaded-virtual -Wimplicit-fallthrough -Werror
     # GCC 12 reports false stringop-overflow in inlined std::vector copies at -O3 (GCC bug 107138).
-    # and false -Wrestrict on std::string appends (GCC bug 105329).
-    -Wno-stringop-overflow -Wno-restrict)
+    # and a false -Wrestrict on std::string appends (GCC bug 105329).
+    "$<$<CXX_COMPILER_ID:GNU>:-Wno-stringop-overflow;-Wno-restrict>")
 endfunction()

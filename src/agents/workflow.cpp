@@ -85,7 +85,7 @@ class Parser {
     if (n["prompt"]) a.prompt = scalar<std::string>(n["prompt"], "prompt");
     if (n["max_tokens"]) {
       a.max_tokens = scalar<int>(n["max_tokens"], "max_tokens");
-      if (a.max_tokens < 1 || a.max_tokens > 1 << 20) error(n["max_tokens"], "max_tokens must be in [1, 1048576]");
+      if (a.max_tokens < 0 || a.max_tokens > 1 << 20) error(n["max_tokens"], "max_tokens must be in [0, 1048576]");
     }
     if (n["temperature"]) a.sampling.temperature = scalar<float>(n["temperature"], "temperature");
     if (n["top_k"]) a.sampling.top_k = scalar<int>(n["top_k"], "top_k");
@@ -150,15 +150,17 @@ class Parser {
 
 // Checks that every {placeholder} in a template is one the orchestrator fills.
 void check_template(const std::string& source, int line, const std::string& text,
-                    const std::set<std::string>& step_ids) {
+                    const std::set<std::string>& step_ids, const std::map<std::string, std::string>& docs) {
   for (std::size_t pos = text.find('{'); pos != std::string::npos; pos = text.find('{', pos + 1)) {
     const std::size_t end = text.find('}', pos);
     if (end == std::string::npos) fail(ErrorCode::bad_workflow, "{}:{}: unclosed '{{' in prompt", source, line);
     const std::string name = text.substr(pos + 1, end - pos - 1);
     if (name == "task" || name == "inputs") continue;
     if (name.rfind("output:", 0) == 0 && step_ids.count(name.substr(7))) continue;
-    fail(ErrorCode::bad_workflow, "{}:{}: unknown placeholder '{{{}}}' (use {{task}}, {{inputs}} or {{output:STEP}})",
-         source, line, name);
+    if (name.rfind("doc:", 0) == 0 && docs.count(name.substr(4))) continue;
+    fail(ErrorCode::bad_workflow,
+         "{}:{}: unknown placeholder '{{{}}}' (use {{task}}, {{inputs}}, {{output:STEP}} or {{doc:NAME}})", source,
+         line, name);
   }
 }
 
@@ -166,6 +168,13 @@ void validate(Workflow& w) {
   const std::string& src = w.source;
   std::set<std::string> ids;
   for (const auto& s : w.steps) {
+    // Step ids double as the agent ids that descriptors are granted to.
+    const bool id_ok = !s.id.empty() && s.id.size() <= 32 &&
+                       s.id.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:@-") ==
+                           std::string::npos;
+    if (!id_ok)
+      fail(ErrorCode::bad_workflow, "{}:{}: step id '{}' must be 1-32 characters of A-Z a-z 0-9 _ . : @ -", src, s.line,
+           s.id);
     if (!ids.insert(s.id).second) fail(ErrorCode::bad_workflow, "{}:{}: duplicate step id '{}'", src, s.line, s.id);
     if (!w.agents.count(s.agent))
       fail(ErrorCode::bad_workflow, "{}:{}: step '{}' uses unknown agent '{}'", src, s.line, s.id, s.agent);
@@ -192,7 +201,7 @@ void validate(Workflow& w) {
     if (prompt.empty())
       fail(ErrorCode::bad_workflow, "{}:{}: step '{}' has no prompt (set one on the step or agent '{}')", src, s.line,
            s.id, s.agent);
-    check_template(src, s.prompt.empty() ? a.line : s.line, prompt, ids);
+    check_template(src, s.prompt.empty() ? a.line : s.line, prompt, ids, w.documents);
   }
   // Kahn's algorithm, keeping the written order among ready steps.
   std::map<std::string, int> indegree;
@@ -220,6 +229,23 @@ void validate(Workflow& w) {
 
 }  // namespace
 
+namespace {
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(ErrorCode::io, "{}: cannot open", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string directory_of(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+}  // namespace
+
 Workflow Workflow::parse(const std::string& yaml_text, const std::string& source) {
   Parser p(source);
   YAML::Node root;
@@ -229,11 +255,23 @@ Workflow Workflow::parse(const std::string& yaml_text, const std::string& source
     fail(ErrorCode::bad_workflow, "{}:{}: YAML syntax error: {}", source, e.mark.line + 1, e.msg);
   }
   if (!root.IsMap()) fail(ErrorCode::bad_workflow, "{}: a workflow must be a mapping with agents and steps", source);
-  p.only_keys(root, {"name", "task", "agents", "steps"}, "the workflow");
+  p.only_keys(root, {"name", "task", "documents", "agents", "steps"}, "the workflow");
   Workflow w;
   w.source = source;
   if (root["name"]) w.name = p.scalar<std::string>(root["name"], "name");
   if (root["task"]) w.task = p.scalar<std::string>(root["task"], "task");
+  if (const YAML::Node docs = root["documents"]) {
+    if (!docs.IsMap()) p.error(docs, "'documents' must map names to files");
+    for (const auto& kv : docs) {
+      const auto file = p.scalar<std::string>(kv.second, "document");
+      const std::string path = file.rfind('/', 0) == 0 ? file : directory_of(source) + "/" + file;
+      try {
+        w.documents[kv.first.as<std::string>()] = read_text_file(path);
+      } catch (const Error& e) {
+        p.error(kv.second, std::string("document: ") + e.what());
+      }
+    }
+  }
   const YAML::Node agents = root["agents"];
   if (!agents || !agents.IsMap() || agents.size() == 0) p.error(root, "'agents' must be a non-empty mapping");
   for (const auto& kv : agents) {

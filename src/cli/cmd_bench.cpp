@@ -77,6 +77,16 @@ std::uint64_t peak_rss_bytes() {
   return static_cast<std::uint64_t>(ru.ru_maxrss) * 1024;
 }
 
+// Elements of the weights Model::weight_bytes counts (for FLOPs per token).
+std::int64_t weight_params(const Model& m) {
+  const ModelWeights& w = m.weights();
+  std::int64_t n = w.output.n_elements() + w.output_norm.n_elements();
+  for (const LayerWeights& l : w.layers)
+    for (const TensorView* t : {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down})
+      n += t->n_elements();
+  return n;
+}
+
 class Bench {
  public:
   Bench(const BenchArgs& a, Engine& engine) : a_(a), engine_(engine), rng_(a.seed) {}
@@ -202,9 +212,15 @@ void run_bench(const BenchArgs& a) {
                      {"architecture", c.architecture},
                      {"n_layers", c.n_layers},
                      {"d_model", c.d_model},
+                     {"n_heads", c.n_heads},
+                     {"n_kv_heads", c.n_kv_heads},
+                     {"head_dim", c.head_dim},
+                     {"d_ff", c.d_ff},
                      {"vocab_size", c.vocab_size},
+                     {"context_length", c.context_length},
                      {"weight_type", type_name(model->weights().layers.front().wq.type)},
                      {"weight_bytes", model->weight_bytes()},
+                     {"weight_params", weight_params(*model)},
                      {"threads", threads},
                      {"reps", a.reps},
                      {"load_seconds", load_s},

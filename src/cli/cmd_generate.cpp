@@ -8,6 +8,7 @@
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/generate.hpp"
+#include "share_cli.hpp"
 
 namespace qkvshare::cli {
 
@@ -24,6 +25,7 @@ struct GenerateArgs {
   bool ignore_eos = false;
   bool json = false;
   int ctx = 0;
+  ShareArgs share;  // --pool, --publish, --from (share_cli.hpp)
 };
 
 void run_generate(const GenerateArgs& a) {
@@ -40,7 +42,9 @@ void run_generate(const GenerateArgs& a) {
   if (prompt.empty()) fail(ErrorCode::invalid_argument, "-p: the prompt is empty and the model adds no BOS token");
 
   Engine engine(*model, EngineOptions{a.model.threads});
-  auto session = engine.new_session(a.ctx);
+  ShareRun share(a.share, *model, engine, a.ctx);
+  prompt = share.prompt(tok, a.prompt, a.chat, prompt);
+  auto session = share.session(engine, a.ctx);
   GenerateOptions opts;
   opts.max_new_tokens = a.n_new;
   opts.sampling = a.sampling;
@@ -58,6 +62,7 @@ void run_generate(const GenerateArgs& a) {
     };
   }
   const GenerateResult r = generate(engine, *session, prompt, opts, sink);
+  share.finish(engine, *session, r);
   if (a.json) {
     nlohmann::json j;
     j["prompt_ids"] = prompt;
@@ -66,6 +71,7 @@ void run_generate(const GenerateArgs& a) {
     j["stop_reason"] = to_string(r.stop_reason);
     j["prefill_seconds"] = r.prefill_seconds;
     j["decode_seconds"] = r.decode_seconds;
+    if (share.active()) j["share"] = share.json();
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else {
     std::fputc('\n', stdout);
@@ -99,6 +105,7 @@ void register_generate(CLI::App& app) {
   cmd->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at end-of-generation tokens");
   cmd->add_option("--ctx", args->ctx, "Context size in tokens (0: the model's)")->check(CLI::Range(0, 1 << 22));
   cmd->add_flag("--json", args->json, "Print one JSON object (ids, text, timings) instead of streaming");
+  add_share_args(*cmd, args->share);
   cmd->callback([args] { run_generate(*args); });
 }
 

@@ -29,5 +29,9 @@ void register_generate(CLI::App& app);
 void register_inspect(CLI::App& app);
 void register_bench(CLI::App&);
 void register_make_model(CLI::App&);
+void register_context(CLI::App&);  // share: cmd_context.cpp
+void register_pool(CLI::App&);     // share: cmd_pool.cpp
+void register_eval(CLI::App&);
+void register_run(CLI::App&);
 
 }  // namespace qkvshare::cli

@@ -14,6 +14,10 @@ int main(int argc, char** argv) {
   qkvshare::cli::register_inspect(app);
   qkvshare::cli::register_bench(app);
   qkvshare::cli::register_make_model(app);
+  qkvshare::cli::register_context(app);
+  qkvshare::cli::register_pool(app);
+  qkvshare::cli::register_eval(app);
+  qkvshare::cli::register_run(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

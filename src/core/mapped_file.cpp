@@ -13,7 +13,7 @@
 
 namespace qkvshare {
 
-MappedFile::MappedFile(const std::string& path) : path_(path) {
+MappedFile::MappedFile(const std::string& path, Mode mode) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(ErrorCode::io, "{}: cannot open: {}", path, std::strerror(errno));
   struct stat st {};
@@ -27,7 +27,26 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
     fail(ErrorCode::io, "{}: not a regular file", path);
   }
   size_ = static_cast<std::size_t>(st.st_size);
-  if (size_ > 0) {
+  if (size_ > 0 && mode == Mode::private_copy) {
+    void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      int err = errno;
+      ::close(fd);
+      fail(ErrorCode::io, "{}: cannot allocate {} bytes: {}", path, size_, std::strerror(err));
+    }
+    auto* dst = static_cast<std::uint8_t*>(p);
+    for (std::size_t done = 0; done < size_;) {
+      const ssize_t got = ::pread(fd, dst + done, size_ - done, static_cast<off_t>(done));
+      if (got <= 0) {
+        int err = got < 0 ? errno : EIO;
+        ::munmap(p, size_);
+        ::close(fd);
+        fail(ErrorCode::io, "{}: read failed at byte {}: {}", path, done, std::strerror(err));
+      }
+      done += static_cast<std::size_t>(got);
+    }
+    data_ = dst;
+  } else if (size_ > 0) {
     void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED) {
       int err = errno;

@@ -2,6 +2,9 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
+
+#include "kernel_table.hpp"
 
 namespace qkvshare::kernels {
 
@@ -22,22 +25,41 @@ void rmsnorm(float* out, const float* x, const float* w, std::int64_t n, float e
   for (std::int64_t i = 0; i < n; ++i) out[i] = w[i] * (scale * x[i]);
 }
 
-void rope(float* x, int n_heads, int head_dim, float pos, const float* inv_freq, RopeStyle style) {
+void rope_angles(float pos, const float* inv_freq, int head_dim, float* cos, float* sin) {
+  for (int i = 0; i < head_dim / 2; ++i) {
+    const float angle = pos * inv_freq[i];
+    cos[i] = std::cos(angle);
+    sin[i] = std::sin(angle);
+  }
+}
+
+void rope_rotate(float* x, int n_heads, int head_dim, const float* cos, const float* sin, RopeStyle style) {
   const int half = head_dim / 2;
   for (int h = 0; h < n_heads; ++h) {
     float* v = x + static_cast<std::int64_t>(h) * head_dim;
     for (int i = 0; i < half; ++i) {
-      const float angle = pos * inv_freq[i];
-      const float c = std::cos(angle);
-      const float s = std::sin(angle);
       const int a = style == RopeStyle::interleaved ? 2 * i : i;
       const int b = style == RopeStyle::interleaved ? 2 * i + 1 : i + half;
       const float v0 = v[a];
       const float v1 = v[b];
-      v[a] = v0 * c - v1 * s;
-      v[b] = v0 * s + v1 * c;
+      v[a] = v0 * cos[i] - v1 * sin[i];
+      v[b] = v0 * sin[i] + v1 * cos[i];
     }
   }
+}
+
+void rope(float* x, int n_heads, int head_dim, float pos, const float* inv_freq, RopeStyle style) {
+  // The angles depend on the position only: once per call, not per head.
+  constexpr int kStackPairs = 256;
+  float cs[2 * kStackPairs];
+  std::vector<float> heap;
+  float* c = cs;
+  if (head_dim / 2 > kStackPairs) {
+    heap.resize(static_cast<std::size_t>(head_dim));
+    c = heap.data();
+  }
+  rope_angles(pos, inv_freq, head_dim, c, c + head_dim / 2);
+  rope_rotate(x, n_heads, head_dim, c, c + head_dim / 2, style);
 }
 
 void softmax(float* x, std::int64_t n) {
@@ -57,7 +79,9 @@ void softmax(float* x, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
-void silu_mul(float* gate, const float* up, std::int64_t n) {
+void silu_mul(float* gate, const float* up, std::int64_t n) { detail::kernels().silu_mul(gate, up, n); }
+
+void silu_mul_ref(float* gate, const float* up, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     gate[i] = g / (1.0f + std::exp(-g)) * up[i];

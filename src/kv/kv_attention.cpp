@@ -19,13 +19,14 @@ constexpr int kPartitionBlocks = 16;  // keys per job in decode (split-K), merge
 
 struct Ops {
   void (*decode)(const KvCodec&, const TileLayout&, const std::byte*, int, float*);
-  float (*dot)(const float*, const float*, int);
-  void (*axpy)(float*, float, const float*, int);
+  float (*scores)(const float*, const float*, int, int, float, float*);
+  void (*weighted_sum)(float*, const float*, const float*, int, int);
   float (*exp_sum)(float*, int, float);
 };
 
-// The f32 reference: the same calls in the same order as DenseKvCache::attend
-// (kernels::attend_head_f32), so an f32 pool gives the dense cache's bits.
+// The f32 reference: the calls of kernels::attend_head_f32_ref in the same
+// order, so an f32 pool gives DenseKvCache's bits under the portable kernels
+// (the SIMD ISAs' attend kernels need contiguous keys; see the engine test).
 void attend_exact(const AttendInput& in, ThreadPool& pool) {
   const KvShape& s = in.shape;
   const int D = s.head_dim, T = in.block_tokens, group = s.n_heads / s.n_kv_heads;
@@ -67,7 +68,10 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
   obuf.assign(static_cast<std::size_t>(nq) * D, 0.0f);
   scores.resize(static_cast<std::size_t>(nq) * static_cast<std::size_t>(keys));
   tile.resize(static_cast<std::size_t>(T) * D);
-  std::vector<int> visible(static_cast<std::size_t>(nq));  // keys of this partition query i sees
+  thread_local std::vector<int> visible;  // keys of this partition query i sees
+  thread_local std::vector<Partial> ml;   // running max, then (max, sum of exp)
+  visible.resize(static_cast<std::size_t>(nq));
+  ml.assign(static_cast<std::size_t>(nq), Partial{-std::numeric_limits<float>::infinity(), 0.0f});
   for (int i = 0; i < nq; ++i) {
     const int t = t0 + i / G, qh = h * G + i % G;
     std::memcpy(&qbuf[static_cast<std::size_t>(i) * D], in.q + static_cast<std::size_t>(t) * s.q_dim() + qh * D,
@@ -89,16 +93,13 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       const int lim = std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T);
       float* sc = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       const float* qi = &qbuf[static_cast<std::size_t>(i) * D];
-      for (int j = 0; j < lim; ++j) sc[j] = ops.dot(qi, k + j * D, D) * scale;
+      if (lim > 0) ml[static_cast<std::size_t>(i)].m = std::max(ml[static_cast<std::size_t>(i)].m, ops.scores(qi, k, lim, D, scale, sc));
     }
   }
-  std::vector<Partial> ml(static_cast<std::size_t>(nq));
   for (int i = 0; i < nq; ++i) {
     const int nv = visible[static_cast<std::size_t>(i)];
-    float* sc = &scores[static_cast<std::size_t>(i) * keys];
-    float m = -std::numeric_limits<float>::infinity();
-    for (int j = 0; j < nv; ++j) m = std::max(m, sc[j]);
-    ml[static_cast<std::size_t>(i)] = {m, nv > 0 ? ops.exp_sum(sc, nv, m) : 0.0f};
+    Partial& p = ml[static_cast<std::size_t>(i)];
+    if (nv > 0) p.l = ops.exp_sum(&scores[static_cast<std::size_t>(i) * keys], nv, p.m);
   }
   for (int b = b0; b < last_block; ++b) {
     const int rows = std::min(T, total - b * T);
@@ -113,7 +114,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       const int lim = std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T);
       const float* p = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       float* o = &obuf[static_cast<std::size_t>(i) * D];
-      for (int j = 0; j < lim; ++j) ops.axpy(o, p[j], v + j * D, D);
+      if (lim > 0) ops.weighted_sum(o, p, v, lim, D);
     }
   }
   for (int i = 0; i < nq; ++i) {
@@ -147,8 +148,8 @@ void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool) {
   }
   bool simd = path == AttendPath::simd || (path == AttendPath::automatic && simd_supported());
   if (simd && !simd_supported()) fail(ErrorCode::unsupported, "KV attention: this CPU lacks AVX2/FMA/F16C");
-  const Ops ops = simd ? Ops{decode_tile_simd, dot_simd, axpy_simd, exp_sum_simd}
-                       : Ops{decode_tile_scalar, dot_scalar, axpy_scalar, exp_sum_scalar};
+  const Ops ops = simd ? Ops{decode_tile_simd, scores_simd, weighted_sum_simd, exp_sum_simd}
+                       : Ops{decode_tile_scalar, scores_scalar, weighted_sum_scalar, exp_sum_scalar};
   const int chunks = (in.n + kChunkTokens - 1) / kChunkTokens;
   // Few queries (decode): split the keys too, so every thread has work. The
   // split depends on the problem only, never on the thread count, so results

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/half.hpp"
@@ -41,18 +42,52 @@ int unpack_code(const std::byte* row, int i, int bits) {
   return static_cast<int>((word >> (k * bits)) & ((1u << bits) - 1u));
 }
 
-// (scale, min) for a run of values, both rounded to f16 as stored.
-void choose_params(float lo, float hi, int qmax, std::uint16_t& s16, std::uint16_t& m16) {
-  m16 = fp32_to_fp16(lo);
-  const float m = fp16_to_fp32(m16);
-  // The scale is computed from the rounded min so the top code still reaches hi.
-  s16 = fp32_to_fp16(std::max(hi - m, 0.0f) / static_cast<float>(qmax));
-}
-
 std::uint8_t quantize_one(float x, float s, float m, int qmax) {
   if (!(s > 0.0f) || !std::isfinite(s)) return 0;
   const float q = std::nearbyint((x - m) / s);
   return static_cast<std::uint8_t>(std::clamp(q, 0.0f, static_cast<float>(qmax)));
+}
+
+// (scale, min) for `lo`..`hi`, both rounded to f16 as stored. The scale is
+// computed from the rounded min so the top code still reaches hi.
+void params_for(float lo, float hi, int qmax, std::uint16_t& s16, std::uint16_t& m16) {
+  m16 = fp32_to_fp16(lo);
+  s16 = fp32_to_fp16(std::max(hi - fp16_to_fp32(m16), 0.0f) / static_cast<float>(qmax));
+}
+
+// (scale, min) for n values x[i * stride]. At 8 bits the full range is used;
+// at 2-4 bits clipping a little of either end usually lowers the squared
+// error (the extremes are rare and a coarse grid wastes codes on them), so a
+// small grid of clipped ranges is tried and the best kept, measured with the
+// f16-rounded parameters the decoder will use.
+void fit_params(const float* x, int n, int stride, int qmax, std::uint16_t& s16, std::uint16_t& m16) {
+  float lo = x[0], hi = x[0];
+  for (int i = 1; i < n; ++i) {
+    lo = std::min(lo, x[i * stride]);
+    hi = std::max(hi, x[i * stride]);
+  }
+  params_for(lo, hi, qmax, s16, m16);
+  if (qmax >= 255 || !(hi > lo)) return;
+  const auto sse = [&](std::uint16_t s_, std::uint16_t m_) {
+    const float sc = fp16_to_fp32(s_), mn = fp16_to_fp32(m_);
+    float e = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const float v = x[i * stride];
+      const float d = v - std::fma(static_cast<float>(quantize_one(v, sc, mn, qmax)), sc, mn);
+      e += d * d;
+    }
+    return e;
+  };
+  float best = sse(s16, m16);
+  const float range = hi - lo, step = qmax <= 3 ? 0.04f : 0.02f;
+  for (int a = 0; a < 6; ++a)
+    for (int b = 0; b < 6; ++b) {
+      if (a == 0 && b == 0) continue;
+      std::uint16_t s_ = 0, m_ = 0;
+      params_for(lo + range * step * static_cast<float>(a), hi - range * step * static_cast<float>(b), qmax, s_, m_);
+      const float e = sse(s_, m_);
+      if (e < best) best = e, s16 = s_, m16 = m_;
+    }
 }
 
 }  // namespace
@@ -80,14 +115,7 @@ void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, s
   std::uint8_t codes[4096];
   QKV_CHECK(D <= 4096);
   if (codec.axis == KvAxis::channel) {
-    for (int c = 0; c < D; ++c) {
-      float lo = rows[c], hi = rows[c];
-      for (int j = 1; j < T; ++j) {
-        lo = std::min(lo, rows[j * D + c]);
-        hi = std::max(hi, rows[j * D + c]);
-      }
-      choose_params(lo, hi, qmax, scales[c], mins[c]);
-    }
+    for (int c = 0; c < D; ++c) fit_params(rows + c, T, D, qmax, scales[c], mins[c]);
     for (int j = 0; j < T; ++j) {
       for (int c = 0; c < D; ++c)
         codes[c] = quantize_one(rows[j * D + c], fp16_to_fp32(scales[c]), fp16_to_fp32(mins[c]), qmax);
@@ -100,9 +128,8 @@ void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, s
     const float* x = rows + static_cast<std::size_t>(j) * D;
     for (int g = 0; g < groups; ++g) {
       const float* xg = x + g * G;
-      const auto [lo, hi] = std::minmax_element(xg, xg + G);
       const std::size_t p = static_cast<std::size_t>(j * groups + g);
-      choose_params(*lo, *hi, qmax, scales[p], mins[p]);
+      fit_params(xg, G, 1, qmax, scales[p], mins[p]);
       const float s = fp16_to_fp32(scales[p]), m = fp16_to_fp32(mins[p]);
       for (int c = 0; c < G; ++c) codes[g * G + c] = quantize_one(xg[c], s, m, qmax);
     }
@@ -140,14 +167,23 @@ void decode_tile_scalar(const KvCodec& codec, const TileLayout& l, const std::by
   }
 }
 
-float dot_scalar(const float* a, const float* b, int n) {
-  float s = 0.0f;
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+float scores_scalar(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < n_rows; ++j) {
+    const float* k = rows + static_cast<std::ptrdiff_t>(j) * head_dim;
+    float acc = 0.0f;
+    for (int c = 0; c < head_dim; ++c) acc += q[c] * k[c];
+    s[j] = acc * scale;
+    m = std::max(m, s[j]);
+  }
+  return m;
 }
 
-void axpy_scalar(float* y, float a, const float* x, int n) {
-  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+void weighted_sum_scalar(float* o, const float* p, const float* rows, int n_rows, int head_dim) {
+  for (int j = 0; j < n_rows; ++j) {
+    const float* v = rows + static_cast<std::ptrdiff_t>(j) * head_dim;
+    for (int c = 0; c < head_dim; ++c) o[c] += p[j] * v[c];
+  }
 }
 
 float exp_sum_scalar(float* x, int n, float max) {

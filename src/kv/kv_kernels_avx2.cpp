@@ -4,8 +4,10 @@
 #include <cpuid.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
@@ -47,18 +49,26 @@ inline __m256 unpack8(const std::byte* unit) {
   }
 }
 
+constexpr int kMaxHeadDim = 1024;
+
 template <int Bits>
 void decode_quant(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
   const int D = l.head_dim, units = D / 8;
   const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + l.param_offset);
   const auto* mins = scales + l.n_params;
   if (codec.axis == KvAxis::channel) {
+    // The channel parameters once per tile, then one fma per 8 elements of each row.
+    alignas(32) float sf[kMaxHeadDim], mf[kMaxHeadDim];
+    for (int u = 0; u < units; ++u) {
+      _mm256_store_ps(sf + u * 8, load_f16x8(scales + u * 8));
+      _mm256_store_ps(mf + u * 8, load_f16x8(mins + u * 8));
+    }
     for (int j = 0; j < n_rows; ++j) {
       const std::byte* row = tile + static_cast<std::size_t>(j) * l.row_bytes;
       float* o = out + static_cast<std::size_t>(j) * D;
       for (int u = 0; u < units; ++u) {
         const __m256 x = unpack8<Bits>(row + u * Bits);
-        _mm256_storeu_ps(o + u * 8, _mm256_fmadd_ps(x, load_f16x8(scales + u * 8), load_f16x8(mins + u * 8)));
+        _mm256_storeu_ps(o + u * 8, _mm256_fmadd_ps(x, _mm256_load_ps(sf + u * 8), _mm256_load_ps(mf + u * 8)));
       }
     }
     return;
@@ -104,7 +114,7 @@ inline __m256 exp_ps(__m256 x) {
 }  // namespace
 
 void decode_tile_simd(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
-  QKV_CHECK(n_rows >= 0 && n_rows <= l.tokens);
+  QKV_CHECK(n_rows >= 0 && n_rows <= l.tokens && l.head_dim <= kMaxHeadDim);
   const std::size_t n = static_cast<std::size_t>(n_rows) * static_cast<std::size_t>(l.head_dim);
   switch (codec.type) {
     case KvType::f32: std::memcpy(out, tile, n * 4); return;
@@ -120,21 +130,75 @@ void decode_tile_simd(const KvCodec& codec, const TileLayout& l, const std::byte
   }
 }
 
-float dot_simd(const float* a, const float* b, int n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+// 8 rows at a time, each with its own accumulator, reduced together: one
+// transpose-and-add instead of eight horizontal sums.
+float scores_simd(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int j = 0;
+  for (; j + 8 <= n_rows; j += 8) {
+    const float* k = rows + static_cast<std::ptrdiff_t>(j) * head_dim;
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+    for (int c = 0; c < head_dim; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * head_dim + c), a[r]);
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    const __m256 sc = _mm256_mul_ps(sum, vs);
+    vmax = _mm256_max_ps(vmax, sc);
+    _mm256_storeu_ps(s + j, sc);
   }
-  if (i < n) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  return hsum(_mm256_add_ps(acc0, acc1));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float m = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4)));
+  for (; j < n_rows; ++j) {
+    const float* k = rows + static_cast<std::ptrdiff_t>(j) * head_dim;
+    __m256 a = _mm256_setzero_ps();
+    for (int c = 0; c < head_dim; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), a);
+    s[j] = hsum(a) * scale;
+    m = std::max(m, s[j]);
+  }
+  return m;
 }
 
-void axpy_simd(float* y, float a, const float* x, int n) {
-  const __m256 va = _mm256_set1_ps(a);
-  for (int i = 0; i < n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+namespace {
+
+// NV vectors of the output stay in registers over all rows.
+template <int NV>
+void weighted_sum_nv(float* o, const float* p, const float* rows, int n_rows, int stride) {
+  __m256 acc[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(o + 8 * v);
+  for (int j = 0; j < n_rows; ++j) {
+    const __m256 w = _mm256_set1_ps(p[j]);
+    const float* r = rows + static_cast<std::ptrdiff_t>(j) * stride;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8 * v), acc[v]);
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + 8 * v, acc[v]);
+}
+
+}  // namespace
+
+void weighted_sum_simd(float* o, const float* p, const float* rows, int n_rows, int head_dim) {
+  for (int c0 = 0; c0 < head_dim; c0 += 64) {
+    switch (std::min(8, (head_dim - c0) / 8)) {
+      case 1: weighted_sum_nv<1>(o + c0, p, rows + c0, n_rows, head_dim); break;
+      case 2: weighted_sum_nv<2>(o + c0, p, rows + c0, n_rows, head_dim); break;
+      case 3: weighted_sum_nv<3>(o + c0, p, rows + c0, n_rows, head_dim); break;
+      case 4: weighted_sum_nv<4>(o + c0, p, rows + c0, n_rows, head_dim); break;
+      case 5: weighted_sum_nv<5>(o + c0, p, rows + c0, n_rows, head_dim); break;
+      case 6: weighted_sum_nv<6>(o + c0, p, rows + c0, n_rows, head_dim); break;
+      case 7: weighted_sum_nv<7>(o + c0, p, rows + c0, n_rows, head_dim); break;
+      default: weighted_sum_nv<8>(o + c0, p, rows + c0, n_rows, head_dim); break;
+    }
+  }
 }
 
 float exp_sum_simd(float* x, int n, float max) {

@@ -274,10 +274,14 @@ BlockRef KvPool::allocate(const KvCodec& k, const KvCodec& v, std::uint32_t flag
   b.n_pages = need;
   b.next_free = kNil;
   b.refcount.store(1, std::memory_order_release);
+  if (ledger_ != nullptr) ledger_->taken(index);
   return BlockRef{index, b.generation.load(std::memory_order_relaxed)};
 }
 
-void KvPool::retain(BlockRef ref) { checked(ref).refcount.fetch_add(1, std::memory_order_relaxed); }
+void KvPool::retain(BlockRef ref) {
+  checked(ref).refcount.fetch_add(1, std::memory_order_relaxed);
+  if (ledger_ != nullptr) ledger_->taken(ref.index);
+}
 
 bool KvPool::try_retain(BlockRef ref) noexcept {
   if (ref.index >= n_blocks_) return false;
@@ -286,19 +290,35 @@ bool KvPool::try_retain(BlockRef ref) noexcept {
   do {
     if (r == 0) return false;
   } while (!b.refcount.compare_exchange_weak(r, r + 1, std::memory_order_acq_rel));
-  if (b.generation.load(std::memory_order_acquire) == ref.generation) return true;
+  if (b.generation.load(std::memory_order_acquire) == ref.generation) {
+    if (ledger_ != nullptr) ledger_->taken(ref.index);
+    return true;
+  }
   // The index was reused by another block: give back the reference we took on it.
   try {
-    release(BlockRef{ref.index, b.generation.load(std::memory_order_acquire)});
+    drop(BlockRef{ref.index, b.generation.load(std::memory_order_acquire)});
   } catch (...) {
   }
   return false;
 }
 
 void KvPool::release(BlockRef ref) {
+  checked(ref);
+  if (ledger_ != nullptr) ledger_->dropping(ref.index);
+  drop(ref);
+}
+
+void KvPool::drop(BlockRef ref) {
   BlockHeader& b = checked(ref);
-  if (b.refcount.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  // All but the last reference drop without the lock; the last one drops
+  // under it. So, outside the lock, a zero count always means "on the free
+  // list", which rebuild_free_lists() relies on: a live process can never be
+  // between its final decrement and the free-list push while a repair runs.
+  std::uint32_t r = b.refcount.load(std::memory_order_acquire);
+  while (r > 1)
+    if (b.refcount.compare_exchange_weak(r, r - 1, std::memory_order_acq_rel)) return;
   std::lock_guard lock(*lock_);
+  if (b.refcount.fetch_sub(1, std::memory_order_acq_rel) != 1) return;  // a try_retain() came in between
   Header& h = header();
   std::uint32_t* next = page_next();
   const std::uint32_t* pages = b.pages();
@@ -314,6 +334,46 @@ void KvPool::release(BlockRef ref) {
   h.free_block_head = ref.index;
   ++h.free_blocks;
   ++h.frees;
+}
+
+BlockRef KvPool::live_ref(std::uint32_t index) const noexcept {
+  if (index >= n_blocks_) return {};
+  const BlockHeader& b = block(index);
+  if (b.refcount.load(std::memory_order_acquire) == 0) return {};
+  return BlockRef{index, b.generation.load(std::memory_order_acquire)};
+}
+
+void KvPool::rebuild_free_lists() noexcept {
+  Header& h = header();
+  std::uint32_t* next = page_next();
+  constexpr std::uint32_t kUsed = kNil - 1;
+  for (std::uint32_t p = 0; p < n_pages_; ++p) next[p] = kNil;
+  h.free_block_head = kNil;
+  h.free_blocks = 0;
+  for (std::uint32_t i = n_blocks_; i-- > 0;) {
+    BlockHeader& b = block(i);
+    if (b.refcount.load(std::memory_order_acquire) > 0 && b.n_pages <= max_pages_) {
+      for (std::uint32_t k = 0; k < b.n_pages; ++k)
+        if (b.pages()[k] < n_pages_) next[b.pages()[k]] = kUsed;
+      continue;
+    }
+    if (b.n_pages != 0) {  // freed half-way: its old references must not match again
+      b.generation.fetch_add(1, std::memory_order_acq_rel);
+      b.n_pages = 0;
+    }
+    b.refcount.store(0, std::memory_order_release);
+    b.next_free = h.free_block_head;
+    h.free_block_head = i;
+    ++h.free_blocks;
+  }
+  h.free_page_head = kNil;
+  h.free_pages = 0;
+  for (std::uint32_t p = n_pages_; p-- > 0;) {
+    if (next[p] == kUsed) continue;
+    next[p] = h.free_page_head;
+    h.free_page_head = p;
+    ++h.free_pages;
+  }
 }
 
 BlockInfo KvPool::info(BlockRef ref) const {

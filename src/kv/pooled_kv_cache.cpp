@@ -51,6 +51,38 @@ std::unique_ptr<PooledKvCache> PooledKvCache::fork() const {
   return copy;
 }
 
+std::unique_ptr<PooledKvCache> PooledKvCache::adopt(std::shared_ptr<KvPool> pool, const KvFormat& format, int capacity,
+                                                    std::vector<KvSegment> segments, int tokens) {
+  auto cache = std::make_unique<PooledKvCache>(pool, format, capacity);
+  const int T = pool->block_tokens();
+  std::size_t blocks = 0;
+  for (const KvSegment& s : segments) {
+    if (s.position_offset != 0) fail(ErrorCode::unsupported, "adopt: segments at a position offset (splice) are not supported yet");
+    blocks += s.blocks.size();
+  }
+  if (tokens < 0 || tokens > capacity || blocks != static_cast<std::size_t>((tokens + T - 1) / T))
+    fail(ErrorCode::invalid_argument, "adopt: {} blocks of {} tokens cannot hold {} tokens (capacity {})", blocks, T,
+         tokens, capacity);
+  // Take the references one by one; the destructor gives back those taken if a check fails.
+  cache->segments_.assign(1, KvSegment{});
+  std::vector<BlockRef>& table = cache->segments_[0].blocks;
+  const KvCodec hk = hot_codec(format.k), hv = hot_codec(format.v);
+  for (const KvSegment& s : segments)
+    for (const BlockRef b : s.blocks) {
+      if (!pool->try_retain(b))
+        fail(ErrorCode::bad_descriptor, "adopt: block {} (generation {}) is no longer live", b.index, b.generation);
+      table.push_back(b);
+      const BlockInfo info = pool->info(b);
+      const bool partial = static_cast<int>(table.size()) * T > tokens;  // only rows coded one by one can be partial
+      if ((info.k != format.k && info.k != hk) || (info.v != format.v && info.v != hv) ||
+          info.flags != cache->block_flags() || (partial && (info.k.quantized() || info.v.quantized())))
+        fail(ErrorCode::invalid_argument, "adopt: block {} holds codecs {:#x}/{:#x} (flags {}), not format {}", b.index,
+             info.k.pack(), info.v.pack(), info.flags, format.to_string());
+    }
+  cache->size_ = tokens;
+  return cache;
+}
+
 int PooledKvCache::block_count() const noexcept {
   int n = 0;
   for (const KvSegment& s : segments_) n += static_cast<int>(s.blocks.size());

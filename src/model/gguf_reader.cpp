@@ -273,9 +273,9 @@ std::size_t read_alignment(const std::map<std::string, GgufValue, std::less<>>& 
 
 }  // namespace
 
-std::unique_ptr<GgufFile> GgufFile::open(const std::string& path) {
+std::unique_ptr<GgufFile> GgufFile::open(const std::string& path, MappedFile::Mode mode) {
   std::unique_ptr<GgufFile> f(new GgufFile());
-  f->file_ = MappedFile(path);
+  f->file_ = MappedFile(path, mode);
   Cursor in(f->file_.path(), f->file_.bytes());
 
   constexpr std::string_view header = "header";

@@ -10,11 +10,11 @@ namespace qkvshare {
 Model::Model() = default;
 Model::~Model() = default;
 
-std::unique_ptr<Model> Model::load(const std::string& path, const std::string& tokenizer_path) {
+std::unique_ptr<Model> Model::load(const std::string& path, const std::string& tokenizer_path, MappedFile::Mode mode) {
   MappedFile probe(path);
   const bool is_gguf = probe.size() >= 4 && std::memcmp(probe.data(), "GGUF", 4) == 0;
   probe = MappedFile();
-  std::unique_ptr<Model> model = is_gguf ? load_gguf(path) : load_llama2c(path, tokenizer_path);
+  std::unique_ptr<Model> model = is_gguf ? load_gguf(path, mode) : load_llama2c(path, tokenizer_path, mode);
   model->validate();
   return model;
 }

@@ -19,11 +19,11 @@ int get_dim(const GgufFile& f, const std::string& key, std::int64_t lo, std::int
 
 }  // namespace
 
-std::unique_ptr<Model> Model::load_gguf(const std::string& path) {
+std::unique_ptr<Model> Model::load_gguf(const std::string& path, MappedFile::Mode mode) {
   auto model = std::unique_ptr<Model>(new Model());
   model->path_ = path;
   model->format_ = "gguf";
-  model->gguf_ = GgufFile::open(path);
+  model->gguf_ = GgufFile::open(path, mode);
   const GgufFile& f = *model->gguf_;
 
   ModelConfig& c = model->config_;

@@ -50,11 +50,12 @@ void check_range(const std::string& path, const char* field, std::int64_t v, std
 
 }  // namespace
 
-std::unique_ptr<Model> Model::load_llama2c(const std::string& path, const std::string& tokenizer_path) {
+std::unique_ptr<Model> Model::load_llama2c(const std::string& path, const std::string& tokenizer_path,
+                                           MappedFile::Mode mode) {
   auto model = std::unique_ptr<Model>(new Model());
   model->path_ = path;
   model->format_ = "llama2c";
-  model->llama2c_file_ = MappedFile(path);
+  model->llama2c_file_ = MappedFile(path, mode);
   const MappedFile& file = model->llama2c_file_;
   if (file.size() < 28)
     fail(ErrorCode::bad_model_file, "{}: {} bytes is too short for a llama2.c header (28 bytes) and has no GGUF magic",

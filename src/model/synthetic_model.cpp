@@ -18,7 +18,7 @@ namespace {
 constexpr float kInitStd = 0.02f;
 
 SyntheticShape make_shape(std::string name, std::string arch, int layers, int d, int heads, int kv_heads, int ff,
-                          int vocab, int ctx, float theta, float eps) {
+                          int vocab, int ctx, float theta, float eps, std::string pre) {
   SyntheticShape s;
   s.name = std::move(name);
   s.architecture = std::move(arch);
@@ -31,6 +31,7 @@ SyntheticShape make_shape(std::string name, std::string arch, int layers, int d,
   s.context_length = ctx;
   s.rope_theta = theta;
   s.rms_eps = eps;
+  s.pre = std::move(pre);
   return s;
 }
 
@@ -125,7 +126,7 @@ void write_metadata(GgufWriter& w, const SyntheticShape& s, GgmlType type) {
 
   SyntheticVocab v = make_synthetic_vocab(s.vocab_size);
   w.set_string("tokenizer.ggml.model", "gpt2");
-  w.set_string("tokenizer.ggml.pre", "gpt2");
+  w.set_string("tokenizer.ggml.pre", s.pre);
   w.set_string_array("tokenizer.ggml.tokens", v.tokens);
   w.set_i32_array("tokenizer.ggml.token_type", v.types);
   w.set_string_array("tokenizer.ggml.merges", v.merges);
@@ -146,11 +147,11 @@ std::int64_t SyntheticShape::n_params() const noexcept {
 
 const std::vector<SyntheticShape>& synthetic_shapes() {
   static const std::vector<SyntheticShape> shapes = {
-      make_shape("smollm2-135m", "llama", 30, 576, 9, 3, 1536, 49152, 8192, 100000.0f, 1e-5f),
-      make_shape("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 4864, 151936, 32768, 1000000.0f, 1e-6f),
-      make_shape("llama3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, 500000.0f, 1e-5f),
-      make_shape("tiny-llama", "llama", 2, 64, 4, 2, 128, 512, 256, 10000.0f, 1e-5f),
-      make_shape("tiny-qwen2", "qwen2", 2, 64, 4, 2, 128, 512, 256, 1000000.0f, 1e-6f),
+      make_shape("smollm2-135m", "llama", 30, 576, 9, 3, 1536, 49152, 8192, 100000.0f, 1e-5f, "smollm"),
+      make_shape("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 4864, 151936, 32768, 1000000.0f, 1e-6f, "qwen2"),
+      make_shape("llama3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, 500000.0f, 1e-5f, "llama-bpe"),
+      make_shape("tiny-llama", "llama", 2, 64, 4, 2, 128, 512, 256, 10000.0f, 1e-5f, "smollm"),
+      make_shape("tiny-qwen2", "qwen2", 2, 64, 4, 2, 128, 512, 256, 1000000.0f, 1e-6f, "qwen2"),
   };
   return shapes;
 }

@@ -71,7 +71,9 @@ std::optional<std::uint8_t> parse_byte_piece(std::string_view piece) noexcept {
   return static_cast<std::uint8_t>(hi * 16 + lo);
 }
 
-std::string byte_piece(std::uint8_t byte) { return fmt::format("<0x{:02X}>", byte); }
+std::string byte_piece(std::uint8_t byte) {
+  return fmt::format("<0x{:02X}>", byte);
+}
 
 SpecialTokenMatcher::SpecialTokenMatcher(const std::vector<std::string>& pieces,
                                          const std::vector<TokenType>& types) {

@@ -110,7 +110,8 @@ BpeTokenizer::BpeTokenizer(BpeVocabulary vocab) {
   for (const std::string& pattern : pretokenizer_regexes(vocab.pre, known))
     regexes_.push_back(std::make_unique<Regex>(pattern));
   if (!known)
-    fmt::print(stderr, "warning: unknown tokenizer.ggml.pre {:?}; using the GPT-2 pre-tokenizer\n", vocab.pre);
+    fmt::print(stderr, "warning: unknown tokenizer.ggml.pre {:?}; using the GPT-2 pre-tokenizer\n",
+               vocab.pre);
 
   merge_ranks_.reserve(vocab.merges.size());
   for (std::size_t rank = 0; rank < vocab.merges.size(); ++rank)

@@ -1,5 +1,6 @@
 // Building tokenizers from llama2.c tokenizer files and GGUF metadata. All
 // input is validated here, so the tokenizer classes can rely on it.
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -51,8 +52,8 @@ class Reader {
  private:
   void need(std::size_t n, std::string_view item) const {
     if (n > left())
-      fail(ErrorCode::bad_tokenizer, "{}: {}: truncated: needs {} bytes at offset {}, file is {} bytes", path_,
-           item, n, offset_, bytes_.size());
+      fail(ErrorCode::bad_tokenizer, "{}: {}: truncated: needs {} bytes at offset {}, file is {} bytes",
+           path_, item, n, offset_, bytes_.size());
   }
   const std::vector<char>& bytes_;
   const std::string& path_;
@@ -69,13 +70,17 @@ std::unique_ptr<Tokenizer> load_llama2c_tokenizer(const std::string& path, int v
   Reader r(bytes, path);
   const auto max_token_length = r.read<std::int32_t>("header max_token_length");
   if (max_token_length <= 0)
-    fail(ErrorCode::bad_tokenizer, "{}: header: max_token_length {} must be positive", path, max_token_length);
+    fail(ErrorCode::bad_tokenizer, "{}: header: max_token_length {} must be positive", path,
+         max_token_length);
 
   detail::SpmVocabulary v;
   const auto n = static_cast<std::size_t>(vocab_size);
-  v.pieces.reserve(n);
-  v.scores.reserve(n);
-  v.types.reserve(n);
+  // A corrupt checkpoint may claim a huge vocabulary: reserve no more than the
+  // file can hold (8 bytes per token at least), the loop reports the rest.
+  const std::size_t fits = std::min(n, r.left() / 8);
+  v.pieces.reserve(fits);
+  v.scores.reserve(fits);
+  v.types.reserve(fits);
   for (std::size_t i = 0; i < n; ++i) {
     if (r.left() == 0)
       fail(ErrorCode::bad_tokenizer, "{}: token {}: file ends after {} of {} tokens", path, i, i, vocab_size);
@@ -83,15 +88,18 @@ std::unique_ptr<Tokenizer> load_llama2c_tokenizer(const std::string& path, int v
     const auto score = r.read<float>(item + " score");
     const auto length = r.read<std::int32_t>(item + " length");
     if (length < 0 || length > max_token_length)
-      fail(ErrorCode::bad_tokenizer, "{}: token {}: length {} outside [0, max_token_length {}]", path, i, length,
-           max_token_length);
+      fail(ErrorCode::bad_tokenizer, "{}: token {}: length {} outside [0, max_token_length {}]", path, i,
+           length, max_token_length);
     v.pieces.push_back(r.read_string(static_cast<std::size_t>(length), item + " bytes"));
     v.scores.push_back(score);
     // llama2.c's fixed layout: <unk>, <s>, </s>, then the byte tokens.
     TokenType type = TokenType::normal;
-    if (i == 0) type = TokenType::unknown;
-    else if (i <= 2) type = TokenType::control;
-    else if (i <= 258 && parse_byte_piece(v.pieces.back()) == static_cast<std::uint8_t>(i - 3)) type = TokenType::byte;
+    if (i == 0)
+      type = TokenType::unknown;
+    else if (i <= 2)
+      type = TokenType::control;
+    else if (i <= 258 && parse_byte_piece(v.pieces.back()) == static_cast<std::uint8_t>(i - 3))
+      type = TokenType::byte;
     v.types.push_back(type);
   }
   v.unk_id = 0;
@@ -124,12 +132,13 @@ std::vector<TokenType> read_types(const GgufFile& g, std::size_t n) {
   if (!g.has(key)) return types;
   const auto& raw = tokenizer_key([&]() -> const auto& { return g.get_number_array(key); });
   if (raw.size() != n)
-    fail(ErrorCode::bad_tokenizer, "{}: key '{}': {} entries, but {} has {}", g.path(), key, raw.size(), kTokens,
-         n);
+    fail(ErrorCode::bad_tokenizer, "{}: key '{}': {} entries, but {} has {}", g.path(), key, raw.size(),
+         kTokens, n);
   for (std::size_t i = 0; i < n; ++i) {
     const double t = raw[i];
     if (!(t >= 0 && t <= 6) || t != std::floor(t))
-      fail(ErrorCode::bad_tokenizer, "{}: key '{}': entry {}: {} is not a token type 0..6", g.path(), key, i, t);
+      fail(ErrorCode::bad_tokenizer, "{}: key '{}': entry {}: {} is not a token type 0..6", g.path(), key, i,
+           t);
     types[i] = static_cast<TokenType>(static_cast<int>(t));
   }
   return types;
@@ -151,11 +160,12 @@ std::unique_ptr<Tokenizer> load_spm(const GgufFile& g, std::vector<std::string> 
                                     std::vector<TokenType> types) {
   constexpr std::string_view key = "tokenizer.ggml.scores";
   const std::size_t n = pieces.size();
-  if (!g.has(key)) fail(ErrorCode::bad_tokenizer, "{}: key '{}': missing (needed by a llama vocabulary)", g.path(), key);
+  if (!g.has(key))
+    fail(ErrorCode::bad_tokenizer, "{}: key '{}': missing (needed by a llama vocabulary)", g.path(), key);
   const auto& raw = tokenizer_key([&]() -> const auto& { return g.get_number_array(key); });
   if (raw.size() != n)
-    fail(ErrorCode::bad_tokenizer, "{}: key '{}': {} entries, but {} has {}", g.path(), key, raw.size(), kTokens,
-         n);
+    fail(ErrorCode::bad_tokenizer, "{}: key '{}': {} entries, but {} has {}", g.path(), key, raw.size(),
+         kTokens, n);
   detail::SpmVocabulary v;
   v.scores.assign(raw.begin(), raw.end());
   for (std::size_t i = 0; i < n; ++i) {
@@ -182,7 +192,8 @@ std::unique_ptr<Tokenizer> load_bpe(const GgufFile& g, std::vector<std::string> 
                                     std::vector<TokenType> types) {
   constexpr std::string_view key = "tokenizer.ggml.merges";
   const std::size_t n = pieces.size();
-  if (!g.has(key)) fail(ErrorCode::bad_tokenizer, "{}: key '{}': missing (needed by a gpt2 vocabulary)", g.path(), key);
+  if (!g.has(key))
+    fail(ErrorCode::bad_tokenizer, "{}: key '{}': missing (needed by a gpt2 vocabulary)", g.path(), key);
   detail::BpeVocabulary v;
   v.merges = tokenizer_key([&]() -> const auto& { return g.get_string_array(key); });
   for (std::size_t i = 0; i < v.merges.size(); ++i) {
@@ -190,7 +201,8 @@ std::unique_ptr<Tokenizer> load_bpe(const GgufFile& g, std::vector<std::string> 
     // As llama.cpp: the separator is the first space after the first byte.
     const auto space = m.find(' ', 1);
     if (space == std::string::npos || space + 1 == m.size())
-      fail(ErrorCode::bad_tokenizer, "{}: key '{}': entry {}: {:?} is not \"left right\"", g.path(), key, i, m);
+      fail(ErrorCode::bad_tokenizer, "{}: key '{}': entry {}: {:?} is not \"left right\"", g.path(), key, i,
+           m);
   }
   v.pre = tokenizer_key([&] { return g.find_string("tokenizer.ggml.pre"); }).value_or("default");
   v.pieces = std::move(pieces);
@@ -208,11 +220,12 @@ std::unique_ptr<Tokenizer> load_gguf_tokenizer(const GgufFile& g) {
   if (!g.has(model_key)) fail(ErrorCode::bad_tokenizer, "{}: key '{}': missing", g.path(), model_key);
   const std::string model = tokenizer_key([&] { return g.get_string(model_key); });
   if (model != "llama" && model != "gpt2")
-    fail(ErrorCode::bad_tokenizer, "{}: key '{}': tokenizer model {:?} is not supported (llama, gpt2)", g.path(),
-         model_key, model);
+    fail(ErrorCode::bad_tokenizer, "{}: key '{}': tokenizer model {:?} is not supported (llama, gpt2)",
+         g.path(), model_key, model);
 
   if (!g.has(kTokens)) fail(ErrorCode::bad_tokenizer, "{}: key '{}': missing", g.path(), kTokens);
-  std::vector<std::string> pieces = tokenizer_key([&]() -> const auto& { return g.get_string_array(kTokens); });
+  std::vector<std::string> pieces =
+      tokenizer_key([&]() -> const auto& { return g.get_string_array(kTokens); });
   if (pieces.empty()) fail(ErrorCode::bad_tokenizer, "{}: key '{}': no tokens", g.path(), kTokens);
   if (pieces.size() > static_cast<std::size_t>(std::numeric_limits<TokenId>::max()))
     fail(ErrorCode::bad_tokenizer, "{}: key '{}': {} tokens is too many", g.path(), kTokens, pieces.size());

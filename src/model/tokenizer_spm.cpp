@@ -1,5 +1,6 @@
 #include "tokenizer_spm.hpp"
 
+#include <optional>
 #include <queue>
 #include <utility>
 
@@ -43,6 +44,8 @@ SpmTokenizer::SpmTokenizer(SpmVocabulary vocab)
   index_vocabulary();
   specials_ = SpecialTokenMatcher(pieces_, types_);
 
+  build_pair_merges();
+
   // The byte fallback uses the byte pieces by name, which for llama2.c files
   // gives run.c's "byte + 3" because ids 3..258 are <0x00>..<0xFF>.
   byte_ids_.fill(vocab.unk_id);
@@ -62,6 +65,26 @@ SpmTokenizer::SpmTokenizer(SpmVocabulary vocab)
       default:
         decoded_[id] = escape_whitespace_ ? unescape_whitespace(p) : p;
         break;
+    }
+  }
+}
+
+void SpmTokenizer::build_pair_merges() {
+  canonical_.resize(pieces_.size());
+  for (std::size_t id = 0; id < pieces_.size(); ++id) canonical_[id] = piece_ids_.find(pieces_[id])->second;
+  const std::optional<TokenId> empty = find("");
+  for (std::size_t id = 0; id < pieces_.size(); ++id) {
+    const auto c = static_cast<TokenId>(id);
+    if (canonical_[id] != c || !(scores_[id] > kNoMergeScore)) continue;
+    const std::string_view p = pieces_[id];
+    for (std::size_t k = 1; k < p.size(); ++k) {
+      const auto a = find(p.substr(0, k));
+      const auto b = find(p.substr(k));
+      if (a && b) pair_merges_.emplace(pair_key(*a, *b), c);
+    }
+    if (empty) {  // "" + p == p + "" == p
+      pair_merges_.emplace(pair_key(*empty, c), c);
+      pair_merges_.emplace(pair_key(c, *empty), c);
     }
   }
 }
@@ -142,19 +165,15 @@ void SpmTokenizer::encode_text(std::string_view text, bool space_prefix, std::ve
     return a.left > b.left;
   };
   std::priority_queue<Candidate, std::vector<Candidate>, decltype(lower_priority)> queue(lower_priority);
-  std::string pair;
   auto consider = [&](int left, int right) {
     if (left < 0 || right < 0) return;
     const TokenId a = symbols[static_cast<std::size_t>(left)].id;
     const TokenId b = symbols[static_cast<std::size_t>(right)].id;
     if (a < 0 || b < 0) return;  // an unknown byte with no <unk> in the vocabulary
-    pair.assign(pieces_[static_cast<std::size_t>(a)]);
-    pair += pieces_[static_cast<std::size_t>(b)];
-    const auto it = piece_ids_.find(pair);
-    if (it == piece_ids_.end()) return;
-    const float score = scores_[static_cast<std::size_t>(it->second)];
-    if (!(score > kNoMergeScore)) return;
-    queue.push({score, left, right, a, b, it->second});
+    const auto it = pair_merges_.find(
+        pair_key(canonical_[static_cast<std::size_t>(a)], canonical_[static_cast<std::size_t>(b)]));
+    if (it == pair_merges_.end()) return;
+    queue.push({scores_[static_cast<std::size_t>(it->second)], left, right, a, b, it->second});
   };
   for (std::size_t i = 0; i + 1 < symbols.size(); ++i) consider(static_cast<int>(i), static_cast<int>(i + 1));
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "qkvshare/model/tokenizer.hpp"
@@ -31,12 +32,22 @@ class SpmTokenizer final : public Tokenizer {
   std::string token_to_piece(TokenId prev, TokenId id) const override;
 
  private:
+  void build_pair_merges();
   // run.c: code points (or their byte tokens), then greedy best-score merging.
   void encode_text(std::string_view text, bool space_prefix, std::vector<TokenId>& out) const;
 
+  static std::uint64_t pair_key(TokenId a, TokenId b) noexcept {
+    return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(a)) << 32) | static_cast<std::uint32_t>(b);
+  }
+
   std::vector<float> scores_;
-  std::array<TokenId, 256> byte_ids_{};     // byte fallback token per byte value
-  std::vector<std::string> decoded_;        // per token: its bytes in decoded text
+  // The merge for every pair of pieces whose concatenation is a piece with a
+  // mergeable score, keyed by canonical ids (the lowest id of equal pieces):
+  // an integer lookup instead of concatenating and hashing strings.
+  std::unordered_map<std::uint64_t, TokenId> pair_merges_;
+  std::vector<TokenId> canonical_;
+  std::array<TokenId, 256> byte_ids_{};  // byte fallback token per byte value
+  std::vector<std::string> decoded_;     // per token: its bytes in decoded text
   bool add_space_prefix_ = true;
   bool escape_whitespace_ = false;
   SpecialTokenMatcher specials_;

@@ -91,6 +91,7 @@ TEST(Workflow, RejectsUnknownAgentsStepsFieldsAndModes) {
   expect_bad("agents: {a: {prompt: go}}\nsteps: [{id: x, agent: a}, {id: x, agent: a}]\n", "duplicate step id 'x'");
   expect_bad("agents: {a: {prompt: go}}\nsteps: [{id: x, agent: a, inputs: [x]}]\n", "reads itself");
   expect_bad("agents: {a: {prompt: go}}\nsteps: [{agent: a}]\n", "needs 'id'");
+  expect_bad("agents: {a: {prompt: go}}\nsteps: [{id: 'has space', agent: a}]\n", "step id 'has space'");
   expect_bad("agents: {a: {prompt: go}}\nsteps: []\n", "'steps' must be a non-empty list");
   expect_bad("steps: [{id: x, agent: a}]\n", "'agents' must be a non-empty mapping");
   expect_bad("- just\n- a list\n", "must be a mapping");

@@ -81,7 +81,8 @@ TEST(TokenizerBpe, MergesByRankWithinPreTokenizedChunks) {
   EXPECT_EQ(t.encode("hi"), (std::vector<TokenId>{id_of(t, "hi")}));
   EXPECT_EQ(t.encode(" hi"), (std::vector<TokenId>{id_of(t, "Ġhi")}));
   // "a  b" pre-tokenizes to "a", " ", " b": the two spaces never meet.
-  EXPECT_EQ(t.encode("a  b"), (std::vector<TokenId>{id_of(t, "a"), id_of(t, "Ġ"), id_of(t, "Ġ"), id_of(t, "b")}));
+  EXPECT_EQ(t.encode("a  b"),
+            (std::vector<TokenId>{id_of(t, "a"), id_of(t, "Ġ"), id_of(t, "Ġ"), id_of(t, "b")}));
   // Trailing spaces stay one chunk; "Ġ Ġ" (rank 0) then "ĠĠ Ġ".
   EXPECT_EQ(t.encode("x   "), (std::vector<TokenId>{id_of(t, "x"), id_of(t, "ĠĠĠ")}));
   // smollm splits every digit, so the "1 2" merge never applies.
@@ -170,19 +171,19 @@ TEST(TokenizerSmolLM2, IdsMatchHuggingFace) {
   QKV_REQUIRE_SMOLLM2(path);
   const Tokenizer& t = *smol(path).tok;
   const std::string text = "Hello world, it's 12345 <|im_start|>user";
-  EXPECT_EQ(t.encode(text), (std::vector<TokenId>{19556, 905, 28, 357, 506, 216, 33, 34, 35, 36, 37, 2067, 108,
-                                                  306, 79, 3738, 108, 46, 4093}));
-  EXPECT_EQ(t.encode(text, true), (std::vector<TokenId>{19556, 905, 28, 357, 506, 216, 33, 34, 35, 36, 37, 216, 1,
-                                                        4093}));
+  EXPECT_EQ(t.encode(text), (std::vector<TokenId>{19556, 905, 28, 357, 506, 216, 33, 34, 35, 36, 37, 2067,
+                                                  108, 306, 79, 3738, 108, 46, 4093}));
+  EXPECT_EQ(t.encode(text, true),
+            (std::vector<TokenId>{19556, 905, 28, 357, 506, 216, 33, 34, 35, 36, 37, 216, 1, 4093}));
   EXPECT_EQ(t.encode("a  b\n\n\tc   "), (std::vector<TokenId>{81, 216, 278, 1116, 197, 83, 333}));
 
   const std::vector<ChatMessage> chat{
       {"system", "You are a helpful AI assistant named SmolLM, trained by Hugging Face"},
       {"user", "What is 2+2?"}};
-  const std::vector<TokenId> expected{1,     9690, 198,  2683, 359,  253,  5356, 5646, 11173, 3365,
-                                      3511,  308,  34519, 28,  7018, 411,  407,  19712, 8182, 2,
-                                      198,   1,    4093, 198,  1780, 314,  216,  34,   27,   34,
-                                      47,    2,    198,  1,    520,  9531, 198};
+  const std::vector<TokenId> expected{1,    9690, 198,   2683, 359,  253,  5356, 5646,  11173, 3365,
+                                      3511, 308,  34519, 28,   7018, 411,  407,  19712, 8182,  2,
+                                      198,  1,    4093,  198,  1780, 314,  216,  34,    27,    34,
+                                      47,   2,    198,   1,    520,  9531, 198};
   EXPECT_EQ(t.encode(format_chatml(chat, true), true), expected);
 }
 
@@ -224,8 +225,9 @@ TEST(TokenizerSmolLM2, ConcurrentEncodeMatchesSerial) {
 
 TEST(TokenizerChatml, FormatsTurnsAndGenerationPrompt) {
   const std::vector<ChatMessage> chat{{"system", "Be brief."}, {"user", "Hi"}};
-  EXPECT_EQ(format_chatml(chat, true),
-            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(
+      format_chatml(chat, true),
+      "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
   EXPECT_EQ(format_chatml(std::span(chat).first(1), false), "<|im_start|>system\nBe brief.<|im_end|>\n");
   EXPECT_EQ(format_chatml({}, true), "<|im_start|>assistant\n");
 }

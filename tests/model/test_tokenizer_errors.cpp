@@ -25,8 +25,12 @@ std::string temp_file(const std::string& name, const std::string& bytes) {
   return path;
 }
 
-void put_i32(std::string& s, std::int32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
-void put_f32(std::string& s, float v) { s.append(reinterpret_cast<const char*>(&v), 4); }
+void put_i32(std::string& s, std::int32_t v) {
+  s.append(reinterpret_cast<const char*>(&v), 4);
+}
+void put_f32(std::string& s, float v) {
+  s.append(reinterpret_cast<const char*>(&v), 4);
+}
 
 // A well-formed llama2.c tokenizer file of `n` tokens "t0", "t1", ...
 std::string llama2c_bytes(int n, std::int32_t max_len = 8) {
@@ -50,7 +54,8 @@ void expect_error(const std::function<void()>& f, ErrorCode code, const std::str
     const std::string msg = e.what();
     EXPECT_EQ(e.code(), code) << msg;
     EXPECT_EQ(msg.rfind(path + ": ", 0), 0u) << "message does not start with the path: " << msg;
-    for (const auto& m : mentions) EXPECT_NE(msg.find(m), std::string::npos) << "'" << m << "' not in: " << msg;
+    for (const auto& m : mentions)
+      EXPECT_NE(msg.find(m), std::string::npos) << "'" << m << "' not in: " << msg;
   }
 }
 
@@ -107,6 +112,8 @@ TEST(TokenizerErrors, Llama2cBadArguments) {
   const std::string path = temp_file("ok.bin", llama2c_bytes(10));
   expect_bad_llama2c(llama2c_bytes(10), 0, {"vocab_size 0"});
   expect_bad_llama2c(llama2c_bytes(10), -3, {"vocab_size -3"});
+  // A corrupt checkpoint's huge vocabulary must not allocate for it.
+  expect_bad_llama2c(llama2c_bytes(10), 0x7fffffff, {"token 10", "10 of 2147483647"});
   const std::string missing = testing::temp_dir() + "/does-not-exist.bin";
   expect_error([&] { load_llama2c_tokenizer(missing, 10); }, ErrorCode::io, missing, {"cannot open"});
 }
@@ -172,7 +179,8 @@ TEST(TokenizerErrors, GgufMissingKeys) {
 }
 
 TEST(TokenizerErrors, GgufWrongValues) {
-  expect_bad_gguf(with([](GgufVocab& v) { v.model = "bert"; }), {"tokenizer.ggml.model", "bert", "not supported"});
+  expect_bad_gguf(with([](GgufVocab& v) { v.model = "bert"; }),
+                  {"tokenizer.ggml.model", "bert", "not supported"});
   expect_bad_gguf(with([](GgufVocab& v) { v.tokens = std::vector<std::string>{}; }),
                   {"tokenizer.ggml.tokens", "no tokens"});
   expect_bad_gguf(with([](GgufVocab& v) {
@@ -192,13 +200,25 @@ TEST(TokenizerErrors, GgufWrongValues) {
 }
 
 TEST(TokenizerErrors, GgufInconsistentArrays) {
-  expect_bad_gguf(with([](GgufVocab& v) { v.types = std::vector<std::int32_t>{3, 1, 1}; }),
+  expect_bad_gguf(with([](GgufVocab& v) {
+                    v.types = std::vector<std::int32_t>{3, 1, 1};
+                  }),
                   {"tokenizer.ggml.token_type", "3 entries", "has 4"});
-  expect_bad_gguf(with([](GgufVocab& v) { v.types = std::vector<std::int32_t>{3, 1, 9, 1}; }),
+  expect_bad_gguf(with([](GgufVocab& v) {
+                    v.types = std::vector<std::int32_t>{3, 1, 9, 1};
+                  }),
                   {"tokenizer.ggml.token_type", "entry 2", "9"});
-  expect_bad_gguf(with([](GgufVocab& v) { v.scores = std::vector<float>{0, 1}; }, GgufVocab::llama()),
+  expect_bad_gguf(with(
+                      [](GgufVocab& v) {
+                        v.scores = std::vector<float>{0, 1};
+                      },
+                      GgufVocab::llama()),
                   {"tokenizer.ggml.scores", "2 entries", "has 4"});
-  expect_bad_gguf(with([](GgufVocab& v) { v.types = std::vector<std::int32_t>{3, 6, 1, 1}; }, GgufVocab::llama()),
+  expect_bad_gguf(with(
+                      [](GgufVocab& v) {
+                        v.types = std::vector<std::int32_t>{3, 6, 1, 1};
+                      },
+                      GgufVocab::llama()),
                   {"token 1", "type byte", "<0xNN>"});
 }
 
@@ -211,8 +231,9 @@ TEST(TokenizerErrors, GgufIdsOutOfRange) {
                   {"tokenizer.ggml.eos_token_id", "id 4 out of range"});
   expect_bad_gguf(extra([](GgufWriter& w) { w.set_i32("tokenizer.ggml.bos_token_id", -2); }),
                   {"tokenizer.ggml.bos_token_id", "id -2 out of range"});
-  expect_bad_gguf(extra([](GgufWriter& w) { w.set_u32("tokenizer.ggml.unknown_token_id", 100); }, GgufVocab::llama()),
-                  {"tokenizer.ggml.unknown_token_id", "out of range"});
+  expect_bad_gguf(
+      extra([](GgufWriter& w) { w.set_u32("tokenizer.ggml.unknown_token_id", 100); }, GgufVocab::llama()),
+      {"tokenizer.ggml.unknown_token_id", "out of range"});
 }
 
 TEST(TokenizerErrors, GgufMalformedMerges) {

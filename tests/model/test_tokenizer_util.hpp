@@ -7,10 +7,10 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
-#include <unordered_map>
 #include <random>
 #include <sstream>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "qkvshare/model/tokenizer.hpp"
@@ -53,14 +53,32 @@ inline std::string random_utf8(std::mt19937& rng, std::size_t n_code_points,
   while (n_code_points > 0) {
     char32_t cp = 0;
     switch (kind(rng)) {
-      case 0: cp = U" \n\t\r"[rng() % 4]; break;
-      case 1: case 2: case 3: cp = static_cast<char32_t>(0x20 + rng() % 0x5F); break;
-      case 4: cp = static_cast<char32_t>(0x01 + rng() % 0x7F); break;
-      case 5: cp = static_cast<char32_t>(0xA0 + rng() % 0x560); break;
-      case 6: cp = static_cast<char32_t>(0x4E00 + rng() % 0x5000); break;
-      case 7: cp = static_cast<char32_t>(0x1F300 + rng() % 0x300); break;
-      case 8: cp = static_cast<char32_t>(0x800 + rng() % 0xD000); break;
-      default: cp = static_cast<char32_t>(0x10000 + rng() % 0x100000); break;
+      case 0:
+        cp = U" \n\t\r"[rng() % 4];
+        break;
+      case 1:
+      case 2:
+      case 3:
+        cp = static_cast<char32_t>(0x20 + rng() % 0x5F);
+        break;
+      case 4:
+        cp = static_cast<char32_t>(0x01 + rng() % 0x7F);
+        break;
+      case 5:
+        cp = static_cast<char32_t>(0xA0 + rng() % 0x560);
+        break;
+      case 6:
+        cp = static_cast<char32_t>(0x4E00 + rng() % 0x5000);
+        break;
+      case 7:
+        cp = static_cast<char32_t>(0x1F300 + rng() % 0x300);
+        break;
+      case 8:
+        cp = static_cast<char32_t>(0x800 + rng() % 0xD000);
+        break;
+      default:
+        cp = static_cast<char32_t>(0x10000 + rng() % 0x100000);
+        break;
     }
     if (cp >= 0xD800 && cp < 0xE000) continue;  // surrogates are not UTF-8
     if (accept && !accept(cp)) continue;

@@ -21,8 +21,8 @@ std::string_view to_string(HandoffMode mode) noexcept;
 struct AgentSpec {
   std::string name;
   std::string system;           // system message of the agent's role
-  std::string prompt;           // template: {task}, {inputs}, {output:STEP}
-  int max_tokens = 128;
+  std::string prompt;           // template: {task}, {inputs}, {output:STEP}, {doc:NAME}
+  int max_tokens = 128;         // 0: read the prompt only (e.g. ingest a document)
   SamplingParams sampling;      // temperature 0 (greedy) unless set
   std::vector<std::string> stop;
   std::string kv;               // KV format name; empty: the run's default
@@ -49,6 +49,7 @@ struct StepSpec {
 struct Workflow {
   std::string name;
   std::string task;  // fills {task}
+  std::map<std::string, std::string> documents;  // fills {doc:NAME}; loaded from files next to the workflow
   std::string source;  // file name, for messages
   std::map<std::string, AgentSpec> agents;
   std::vector<StepSpec> steps;   // as written

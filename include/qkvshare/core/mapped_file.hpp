@@ -10,9 +10,15 @@ namespace qkvshare {
 
 class MappedFile {
  public:
+  // shared: the kernel's page cache backs the mapping, so every mapping of the
+  // file in any process shares one copy. private_copy: the bytes are read into
+  // anonymous memory of this process, as a separate engine process that does
+  // not share pages would hold them (used to measure independent agents).
+  enum class Mode { shared, private_copy };
+
   MappedFile() = default;
   // Throws Error(io) naming the path when the file cannot be opened or mapped.
-  explicit MappedFile(const std::string& path);
+  explicit MappedFile(const std::string& path, Mode mode = Mode::shared);
   ~MappedFile();
   MappedFile(MappedFile&& other) noexcept;
   MappedFile& operator=(MappedFile&& other) noexcept;

@@ -15,6 +15,10 @@ namespace qkvshare {
 class Session {
  public:
   explicit Session(std::unique_ptr<KvCache> cache) : cache_(std::move(cache)) {}
+  // A session over a cache that already holds `tokens` (a handed-off context,
+  // share/handoff.hpp); the caller guarantees tokens.size() == cache->size().
+  Session(std::unique_ptr<KvCache> cache, std::vector<TokenId> tokens)
+      : cache_(std::move(cache)), tokens_(std::move(tokens)) {}
   KvCache& cache() noexcept { return *cache_; }
   const KvCache& cache() const noexcept { return *cache_; }
   const std::vector<TokenId>& tokens() const noexcept { return tokens_; }

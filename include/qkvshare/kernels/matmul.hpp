@@ -1,7 +1,15 @@
 #pragma once
 // Products of a weight matrix (stored format, one row per output) with
 // activations: y[t][r] = W.row(r) . x[t] for t < n_tokens.
+//
+// F32, F16 and BF16 weights multiply f32 activations. Q8_0, Q4_0, Q4_1 and
+// Q6_K weights multiply activations rounded to 8 bits per block of 32 (as
+// llama.cpp does): each dot is then off by at most sum_b amax_b / 254 *
+// sum_{i in b} |w_i| plus f32 rounding (tests/kernels derives the bound).
+// The kernels come from the active ISA level (kernels/isa.hpp).
+#include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "qkvshare/core/thread_pool.hpp"
 #include "qkvshare/model/tensor.hpp"
@@ -9,7 +17,20 @@
 namespace qkvshare::kernels {
 
 void matmul(ThreadPool& pool, const TensorView& w, const float* x, std::int64_t n_tokens, float* y);
-// Scalar reference, single-threaded.
+
+// One output of matmul_multi: y[t * w.rows() + r].
+struct MatmulOut {
+  const TensorView* w;
+  float* y;
+};
+inline constexpr std::size_t kMaxMatmulOuts = 8;
+// Several weights with the same number of columns applied to the same
+// activations (Q, K, V; gate, up): the activations are quantized once and one
+// parallel_for covers all their rows, instead of one per weight.
+void matmul_multi(ThreadPool& pool, std::span<const MatmulOut> outs, const float* x, std::int64_t n_tokens);
+
+// Scalar reference, single-threaded: dequantized weights times f32
+// activations, summed in double.
 void matmul_ref(const TensorView& w, const float* x, std::int64_t n_tokens, float* y);
 // Copies row `r` of w into dst as floats (embedding lookup).
 void dequantize_row(const TensorView& w, std::int64_t r, float* dst);

@@ -3,7 +3,7 @@
 // block-sized f32 scratch (never more: DESIGN.md rule 4), the dot/axpy steps
 // of attention, and the Hadamard rotation. Each has a scalar reference; the
 // SIMD versions (AVX2 + FMA + F16C, chosen at run time) must agree with it:
-// decoding bit for bit, dot/axpy up to float summation order.
+// decoding bit for bit, scores and sums up to float summation order.
 #include <cstddef>
 #include <cstdint>
 
@@ -24,11 +24,13 @@ void encode_row(const KvCodec& codec, const TileLayout& layout, const float* row
 void decode_tile_scalar(const KvCodec& codec, const TileLayout& layout, const std::byte* tile, int n_rows, float* out);
 void decode_tile_simd(const KvCodec& codec, const TileLayout& layout, const std::byte* tile, int n_rows, float* out);
 
-float dot_scalar(const float* a, const float* b, int n);
-float dot_simd(const float* a, const float* b, int n);  // n % 8 == 0
-// y += a * x
-void axpy_scalar(float* y, float a, const float* x, int n);
-void axpy_simd(float* y, float a, const float* x, int n);  // n % 8 == 0
+// s[j] = scale * (q . rows[j]) for j < n_rows; rows are head_dim floats
+// (head_dim % 8 == 0 for the SIMD version). Returns the largest s[j].
+float scores_scalar(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);
+float scores_simd(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);
+// o[head_dim] += sum over j < n_rows of p[j] * rows[j].
+void weighted_sum_scalar(float* o, const float* p, const float* rows, int n_rows, int head_dim);
+void weighted_sum_simd(float* o, const float* p, const float* rows, int n_rows, int head_dim);
 // x[i] = exp(x[i] - max), returns the sum (SIMD: polynomial exp, ~2 ulp).
 float exp_sum_scalar(float* x, int n, float max);
 float exp_sum_simd(float* x, int n, float max);

@@ -41,6 +41,17 @@ struct BlockRef {
 inline constexpr std::uint32_t kBlockRotatedK = 1u;
 inline constexpr std::uint32_t kBlockRotatedV = 2u;
 
+// Told about every block reference this process takes or drops through a
+// pool (allocate/retain/try_retain, release), so that a shared pool can give
+// back the references of a process that died (the handoff layer's per-process
+// ledger). Called outside the pool lock; must not throw.
+class RefLedger {
+ public:
+  virtual ~RefLedger() = default;
+  virtual void taken(std::uint32_t block) noexcept = 0;
+  virtual void dropping(std::uint32_t block) noexcept = 0;
+};
+
 struct PoolConfig {
   KvShape shape;
   int block_tokens = 32;
@@ -100,6 +111,17 @@ class KvPool {
   // Drops a reference; the block's pages return to the pool at zero.
   void release(BlockRef ref);
 
+  // The live reference of block `index` (its current generation), or an
+  // invalid one when the block is free or out of range.
+  BlockRef live_ref(std::uint32_t index) const noexcept;
+  // Not owned; must outlive the pool (nullptr: no ledger).
+  void set_ledger(RefLedger* ledger) noexcept { ledger_ = ledger; }
+  // Rebuilds both free lists from the block headers, for a lock whose holder
+  // died mid-change: blocks with refcount 0 are free (a half-freed one gets a
+  // new generation), pages not listed by a live block are free. Call with the
+  // lock held.
+  void rebuild_free_lists() noexcept;
+
   BlockInfo info(BlockRef ref) const;
   void set_fill(BlockRef ref, int fill);
   // Tile of `kind` (0 = K, 1 = V) for one layer and KV head of a block.
@@ -121,9 +143,11 @@ class KvPool {
   BlockHeader& block(std::uint32_t index) const noexcept;
   BlockHeader& checked(BlockRef ref) const;  // live block or Error(internal)
   std::uint32_t* page_next() const noexcept;
+  void drop(BlockRef ref);  // release without the ledger
 
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<PoolLock> lock_;
+  RefLedger* ledger_ = nullptr;
   std::byte* base_ = nullptr;
   KvShape shape_;
   int block_tokens_ = 0;

@@ -50,6 +50,13 @@ class PooledKvCache final : public KvCache {
   void attend(int layer, int n, const float* q, float* out, ThreadPool& pool) override;
   void commit(int n) override;
 
+  // A context over existing blocks (a handed-off one): takes its own
+  // reference on every block, which must still be live at the given
+  // generation (else Error(bad_descriptor)), and checks that the blocks fit
+  // `tokens`, `capacity` and the format's codecs (else Error(invalid_argument)).
+  static std::unique_ptr<PooledKvCache> adopt(std::shared_ptr<KvPool> pool, const KvFormat& format, int capacity,
+                                              std::vector<KvSegment> segments, int tokens);
+
   // A second context sharing every block (reference counts); the first write
   // of either into a shared partly filled block copies that block.
   std::unique_ptr<PooledKvCache> fork() const;

@@ -2,7 +2,9 @@
 // GGUF v2/v3 reader: header, metadata, tensor infos and alignment are parsed
 // and validated up front; tensor data stays in the read-only mapping.
 // Every malformed input throws Error(bad_model_file) with a message of the
-// form "<path>: <item>: <reason>".
+// form "<path>: <item>: <reason>". Beyond the format rules, the reader rejects
+// empty keys and tensor names, bool values other than 0/1, arrays of arrays
+// and tensors whose data overlap.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -37,7 +39,8 @@ class GgufFile {
  public:
   // Opens, maps and validates. Throws Error(io) if the file cannot be read and
   // Error(bad_model_file) for any malformed content.
-  static std::unique_ptr<GgufFile> open(const std::string& path);
+  static std::unique_ptr<GgufFile> open(const std::string& path,
+                                        MappedFile::Mode mode = MappedFile::Mode::shared);
 
   const std::string& path() const noexcept { return file_.path(); }
   std::uint32_t version() const noexcept { return version_; }
@@ -79,7 +82,9 @@ class GgufFile {
 };
 
 // Writes GGUF v3 files: used by `qkvshare make-model` and by tests that need
-// well-formed or deliberately broken files.
+// well-formed or deliberately broken files. Keys and tensors keep insertion
+// order; setting a key or adding a tensor name twice throws
+// Error(invalid_argument).
 class GgufWriter {
  public:
   void set_u32(const std::string& key, std::uint32_t v);
@@ -91,9 +96,13 @@ class GgufWriter {
   void set_string_array(const std::string& key, const std::vector<std::string>& v);
   void set_f32_array(const std::string& key, const std::vector<float>& v);
   void set_i32_array(const std::string& key, const std::vector<std::int32_t>& v);
+  // `shape` is in ggml order (shape[0] = ne[0], the contiguous dimension);
   // `data` must hold exactly the bytes of a tensor of this type and shape.
   void add_tensor(const std::string& name, GgmlType type, const std::vector<std::int64_t>& shape,
                   std::vector<std::uint8_t> data);
+  // Power of two up to 2^30; also writes general.alignment (at the position
+  // of the first call). Without a call the file uses the default 32 and has
+  // no general.alignment key.
   void set_alignment(std::size_t alignment);
   // Serialises to bytes / to a file (throws Error(io) on write failure).
   std::vector<std::uint8_t> to_bytes() const;

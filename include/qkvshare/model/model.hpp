@@ -54,7 +54,8 @@ class Model {
   // Detects the format from the file's magic ("GGUF", else llama2.c).
   // llama2.c checkpoints need `tokenizer_path`; GGUF files carry their own.
   // Throws Error(bad_model_file / bad_tokenizer / io) naming file, item, reason.
-  static std::unique_ptr<Model> load(const std::string& path, const std::string& tokenizer_path = {});
+  static std::unique_ptr<Model> load(const std::string& path, const std::string& tokenizer_path = {},
+                                     MappedFile::Mode mode = MappedFile::Mode::shared);
   ~Model();
 
   const ModelConfig& config() const noexcept { return config_; }
@@ -67,8 +68,9 @@ class Model {
 
  private:
   Model();
-  static std::unique_ptr<Model> load_gguf(const std::string& path);
-  static std::unique_ptr<Model> load_llama2c(const std::string& path, const std::string& tokenizer_path);
+  static std::unique_ptr<Model> load_gguf(const std::string& path, MappedFile::Mode mode);
+  static std::unique_ptr<Model> load_llama2c(const std::string& path, const std::string& tokenizer_path,
+                                             MappedFile::Mode mode);
   void validate() const;
 
   std::string path_;

@@ -30,6 +30,9 @@ struct SyntheticShape {
   float rope_theta = 10000.0f;
   float rms_eps = 1e-5f;
   bool tied_embedding = true;  // no output.weight: the logits reuse token_embd
+  // tokenizer.ggml.pre: the real model's pre-tokenizer name, one that both this
+  // engine and llama.cpp know ("smollm", "qwen2", "llama-bpe"; llama.cpp has no "gpt2").
+  std::string pre = "smollm";
 
   int head_dim() const noexcept { return n_heads > 0 ? d_model / n_heads : 0; }
   // Parameters of all weight tensors (norms and biases included).

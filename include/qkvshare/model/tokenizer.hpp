@@ -44,7 +44,10 @@ class Tokenizer {
   virtual std::string token_to_piece(TokenId prev, TokenId id) const = 0;
 
   // Concatenation of token_to_piece over the sequence, so that
-  // decode(encode(s)) == s for any UTF-8 s.
+  // decode(encode(s)) == s for any UTF-8 s whose bytes the vocabulary can
+  // represent. (SmolLM2's byte-level vocabulary lacks six control bytes and
+  // the lead bytes of U+40000..U+BFFFF; encode drops those bytes, as
+  // HuggingFace tokenizers and llama.cpp do.)
   std::string decode(std::span<const TokenId> ids) const;
 
   int vocab_size() const noexcept { return static_cast<int>(pieces_.size()); }
@@ -79,11 +82,13 @@ class Tokenizer {
 
 // llama2.c tokenizer file (tok512.bin): int32 max_token_length, then per token
 // float32 score, int32 length, bytes. `vocab_size` comes from the checkpoint.
-// Throws Error(bad_tokenizer) naming the file, the token index and the reason.
+// Throws Error(bad_tokenizer) naming the file, the token index and the reason;
+// Error(io) when the file cannot be read. Encoding follows run.c exactly.
 std::unique_ptr<Tokenizer> load_llama2c_tokenizer(const std::string& path, int vocab_size);
 
 // From GGUF metadata tokenizer.ggml.* (model "llama" -> SentencePiece,
-// "gpt2" -> byte-level BPE with the pre-tokenizer named by tokenizer.ggml.pre).
+// "gpt2" -> byte-level BPE with the pre-tokenizer named by tokenizer.ggml.pre;
+// an unknown pre value falls back to GPT-2's with a warning on stderr).
 // Throws Error(bad_tokenizer) naming the file, key and reason.
 std::unique_ptr<Tokenizer> load_gguf_tokenizer(const GgufFile& gguf);
 

@@ -1,0 +1,125 @@
+// Attention-only cost of each KV format, without the model: one context of
+// --depth tokens in the pool, then single-token decode steps (write + attend
+// over every layer), timed. Isolates what the KV format changes in decode
+// (bytes read, decode work) from the weight matmuls that dominate a real
+// step. Shape defaults to SmolLM2-135M (30 layers, 9 heads, 3 KV heads, 64).
+//
+//   bench_kv [--depth 2048] [--steps 64] [--threads 2] [--formats f16,int8,int4,...] [--path auto|scalar|simd]
+// Prints a table on stdout and one JSON object per format on stderr.
+#include <time.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/pooled_kv_cache.hpp"
+
+namespace {
+
+using namespace qkvshare;
+
+std::vector<float> noise(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (auto& v : x) v = g(rng);
+  return x;
+}
+
+// CPU time of the calling thread: with --threads 1 it is the step's compute
+// cost even on a loaded machine, where wall time is not.
+double cpu_now() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+struct Timing {
+  double wall = 1e30, cpu = 1e30;
+};
+
+Timing run(const KvShape& s, const KvFormat& f, int depth, int steps, AttendPath path, ThreadPool& threads,
+           std::size_t& bytes) {
+  auto pool = KvPool::create(PoolConfig{s, 32, KvPool::arena_bytes_for(s, 32, f, depth + steps)});
+  PooledKvCache cache(pool, f, depth + steps);
+  cache.set_attend_path(path);
+  const int chunk = 256;
+  const auto k = noise(static_cast<std::size_t>(chunk) * s.kv_dim(), 1), v = noise(k.size(), 2);
+  const auto q = noise(static_cast<std::size_t>(chunk) * s.q_dim(), 3);
+  std::vector<float> out(q.size());
+  for (int done = 0; done < depth;) {
+    const int n = std::min(chunk, depth - done);
+    for (int l = 0; l < s.n_layers; ++l) {
+      cache.write(l, n, k.data(), v.data());
+      cache.attend(l, n, q.data(), out.data(), threads);
+    }
+    cache.commit(n);
+    done += n;
+  }
+  Timing best;
+  for (int i = 0; i < steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double c0 = cpu_now();
+    for (int l = 0; l < s.n_layers; ++l) {
+      cache.write(l, 1, k.data() + (i % chunk) * s.kv_dim(), v.data() + (i % chunk) * s.kv_dim());
+      cache.attend(l, 1, q.data() + (i % chunk) * s.q_dim(), out.data(), threads);
+    }
+    cache.commit(1);
+    best.cpu = std::min(best.cpu, cpu_now() - c0);
+    best.wall = std::min(best.wall, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  bytes = cache.kv_bytes();
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int depth = 2048, steps = 64, n_threads = 1;
+  std::string formats = "f32,f16,int8,k8v4,int4,int3,int2,int2:window=128:sink=32";
+  std::string path_name = "auto";
+  KvShape shape{30, 9, 3, 64};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--depth") depth = std::atoi(v.c_str());
+    else if (a == "--steps") steps = std::atoi(v.c_str());
+    else if (a == "--threads") n_threads = std::atoi(v.c_str());
+    else if (a == "--formats") formats = v;
+    else if (a == "--path") path_name = v;
+    else if (a == "--head-dim") shape.head_dim = std::atoi(v.c_str());
+    else {
+      std::fprintf(stderr, "unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  const AttendPath path = path_name == "scalar" ? AttendPath::scalar
+                          : path_name == "simd" ? AttendPath::simd
+                                                : AttendPath::automatic;
+  try {
+    ThreadPool threads(n_threads);
+    std::printf("attention-only decode step (30 layers, write + attend), depth %d, best of %d, %d threads, path %s\n",
+                depth, steps, n_threads, path_name.c_str());
+    std::printf("%-28s %10s %14s %14s\n", "format", "KV MiB", "wall us/step", "cpu us/step");
+    for (std::size_t pos = 0; pos <= formats.size();) {
+      std::size_t end = formats.find(',', pos);
+      if (end == std::string::npos) end = formats.size();
+      const KvFormat f = KvFormat::parse(formats.substr(pos, end - pos));
+      pos = end + 1;
+      std::size_t bytes = 0;
+      const Timing t = run(shape, f, depth, steps, path, threads, bytes);
+      std::printf("%-28s %10.2f %14.1f %14.1f\n", f.to_string().c_str(), static_cast<double>(bytes) / (1 << 20),
+                  t.wall * 1e6, t.cpu * 1e6);
+      std::fprintf(stderr, "{\"format\": \"%s\", \"depth\": %d, \"kv_bytes\": %zu, \"wall_s\": %.9f, \"cpu_s\": %.9f}\n",
+                   f.to_string().c_str(), depth, bytes, t.wall, t.cpu);
+    }
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

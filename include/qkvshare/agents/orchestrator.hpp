@@ -1,0 +1,74 @@
+#pragma once
+// Runs a workflow's DAG in dependency order on one device, in one of three
+// ways that share the same prompts, so their costs compare directly:
+//  - independent: every agent is its own engine with its own private copy of
+//    the weights and its own f16 KV cache; handoffs re-encode the upstream
+//    transcript as text (multi-agent apps on llama.cpp today);
+//  - shared_text: one engine for all agents, text handoffs;
+//  - qkvshare: one engine, KV in a shared pool; continue/fork edges hand the
+//    sealed context over as a descriptor and the consumer appends to it.
+// Text edges (a step reading another's output inside its prompt) are text in
+// every mode.
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "qkvshare/agents/workflow.hpp"
+#include "qkvshare/model/tokenizer.hpp"
+
+namespace qkvshare::agents {
+
+enum class RunMode { independent, shared_text, qkvshare };
+std::string_view to_string(RunMode mode) noexcept;
+RunMode parse_run_mode(std::string_view text);  // Error(invalid_argument) naming it
+
+struct RunOptions {
+  RunMode mode = RunMode::qkvshare;
+  std::string kv = "int8";  // KV format of new contexts in qkvshare mode (an agent's `kv` overrides)
+  int threads = 0;
+  int context = 4096;       // token capacity of a session
+  int max_tokens_cap = 0;   // > 0: no agent generates more (small models with short contexts)
+  std::function<void(const std::string&)> progress;  // one line per event, for stderr
+};
+
+struct StepMetrics {
+  std::string step, agent;
+  std::string handoff;        // "new", "text", "continue", "fork", or "fallback:<reason>"
+  double ttft_seconds = 0;    // step start to the first generated token (handoff included)
+  double seconds = 0;         // the whole step
+  double handoff_seconds = 0; // opening the upstream context
+  int prefill_computed = 0;   // tokens run through the model before the first new token
+  int prefill_reused = 0;     // upstream tokens whose KV was reused instead
+  int decode_tokens = 0;
+  std::size_t kv_bytes = 0;   // KV bytes of this step's context when it ends
+  std::vector<TokenId> output_tokens;
+  std::string output;
+};
+
+struct RunReport {
+  std::string workflow;
+  RunMode mode = RunMode::qkvshare;
+  std::string kv;  // KV format ("f16" for the text baselines)
+  std::vector<StepMetrics> steps;
+  double total_seconds = 0;
+  double load_seconds = 0;
+  std::size_t peak_kv_bytes = 0;       // KV bytes held at once, at the worst moment
+  std::size_t weight_copies_bytes = 0; // weight bytes this run holds in memory
+  int prefill_computed = 0;
+  int prefill_reused = 0;
+  int contexts_alive_at_end = 0;       // sealed contexts left in the pool (0 when lifetimes are right)
+  std::size_t pool_blocks_used_at_end = 0;
+  std::string json() const;
+  static RunReport from_json(const std::string& text);
+};
+
+// Loads the model (once, or once per agent in independent mode) and runs.
+RunReport run_workflow(const Workflow& workflow, const std::string& model_path, const std::string& tokenizer_path,
+                       const RunOptions& options);
+
+// Fraction of positions where `got` has the same token as `want`, over the
+// longer of the two (a missing token counts as a mismatch).
+double token_agreement(const std::vector<TokenId>& want, const std::vector<TokenId>& got);
+
+}  // namespace qkvshare::agents

@@ -1,0 +1,58 @@
+#pragma once
+// Quality of KV formats on real text: perplexity over windows, and against the
+// f32-KV run of the same windows the KL divergence of the next-token
+// distributions and top-1 agreement (qkvshare eval, docs/kv-quality.md).
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "qkvshare/engine/engine.hpp"
+#include "qkvshare/kv/kv_format.hpp"
+
+namespace qkvshare {
+
+struct EvalOptions {
+  int ctx = 512;             // window length in tokens; windows do not overlap
+  long max_scored = 0;       // stop once this many tokens are scored (whole windows); 0: the whole text
+  bool score_all = false;    // score every position; default: the second half of each window (llama.cpp)
+  int block_tokens = 32;
+  int decode_tokens = 0;     // > 0: also time this many decode steps ending at depth ctx, per format
+  // Called with a line of progress (window, format, running perplexity).
+  std::function<void(const std::string&)> progress;
+};
+
+struct EvalFormatResult {
+  std::string format;
+  double bits_per_element = 0.0;     // stored bytes of a full window (codes, scales, mins, hot blocks) per element
+  double cold_bits_per_element = 0.0;  // a full quantized block alone
+  double kv_bytes_per_token = 0.0;   // pool pages a full window holds, per token (page padding included)
+  double ppl = 0.0;
+  double ppl_delta_pct = 0.0;        // vs the f32 reference
+  double mean_kl = 0.0;              // KL(f32 || format), nats per position
+  double p99_kl = 0.0;
+  double top1 = 0.0;                 // fraction of positions whose argmax equals the f32 argmax
+  long scored = 0;
+  double prefill_tokens_per_s = 0.0;
+  double decode_tokens_per_s = 0.0;  // 0 unless decode_tokens > 0
+};
+
+struct EvalReport {
+  int ctx = 0;
+  long windows = 0;
+  long scored = 0;  // per format
+  long text_tokens = 0;
+  bool score_all = false;
+  std::vector<EvalFormatResult> results;  // results[0] is the f32 reference
+};
+
+// The formats `--kv all` runs.
+std::vector<KvFormat> all_eval_formats();
+
+// Evaluates `formats` (the f32 reference is always run first) over `tokens`,
+// the whole tokenized text. Throws Error(invalid_argument) when the text is
+// shorter than one window or ctx exceeds the model's context.
+EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::span<const KvFormat> formats,
+                       const EvalOptions& options);
+
+}  // namespace qkvshare

@@ -1,0 +1,76 @@
+#include <nlohmann/json.hpp>
+
+#include "qkvshare/agents/orchestrator.hpp"
+#include "qkvshare/core/error.hpp"
+
+namespace qkvshare::agents {
+
+std::string RunReport::json() const {
+  nlohmann::json j;
+  j["workflow"] = workflow;
+  j["mode"] = to_string(mode);
+  j["kv"] = kv;
+  j["total_seconds"] = total_seconds;
+  j["load_seconds"] = load_seconds;
+  j["peak_kv_bytes"] = peak_kv_bytes;
+  j["weight_copies_bytes"] = weight_copies_bytes;
+  j["prefill_computed"] = prefill_computed;
+  j["prefill_reused"] = prefill_reused;
+  j["contexts_alive_at_end"] = contexts_alive_at_end;
+  j["pool_blocks_used_at_end"] = pool_blocks_used_at_end;
+  j["steps"] = nlohmann::json::array();
+  for (const auto& s : steps) {
+    j["steps"].push_back({{"step", s.step},
+                          {"agent", s.agent},
+                          {"handoff", s.handoff},
+                          {"ttft_seconds", s.ttft_seconds},
+                          {"seconds", s.seconds},
+                          {"handoff_seconds", s.handoff_seconds},
+                          {"prefill_computed", s.prefill_computed},
+                          {"prefill_reused", s.prefill_reused},
+                          {"decode_tokens", s.decode_tokens},
+                          {"kv_bytes", s.kv_bytes},
+                          {"output_tokens", s.output_tokens},
+                          {"output", s.output}});
+  }
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+RunReport RunReport::from_json(const std::string& text) {
+  try {
+    const auto j = nlohmann::json::parse(text);
+    RunReport r;
+    r.workflow = j.at("workflow").get<std::string>();
+    r.mode = parse_run_mode(j.at("mode").get<std::string>());
+    r.kv = j.at("kv").get<std::string>();
+    r.total_seconds = j.at("total_seconds").get<double>();
+    r.load_seconds = j.at("load_seconds").get<double>();
+    r.peak_kv_bytes = j.at("peak_kv_bytes").get<std::size_t>();
+    r.weight_copies_bytes = j.at("weight_copies_bytes").get<std::size_t>();
+    r.prefill_computed = j.at("prefill_computed").get<int>();
+    r.prefill_reused = j.at("prefill_reused").get<int>();
+    r.contexts_alive_at_end = j.at("contexts_alive_at_end").get<int>();
+    r.pool_blocks_used_at_end = j.at("pool_blocks_used_at_end").get<std::size_t>();
+    for (const auto& s : j.at("steps")) {
+      StepMetrics m;
+      m.step = s.at("step").get<std::string>();
+      m.agent = s.at("agent").get<std::string>();
+      m.handoff = s.at("handoff").get<std::string>();
+      m.ttft_seconds = s.at("ttft_seconds").get<double>();
+      m.seconds = s.at("seconds").get<double>();
+      m.handoff_seconds = s.at("handoff_seconds").get<double>();
+      m.prefill_computed = s.at("prefill_computed").get<int>();
+      m.prefill_reused = s.at("prefill_reused").get<int>();
+      m.decode_tokens = s.at("decode_tokens").get<int>();
+      m.kv_bytes = s.at("kv_bytes").get<std::size_t>();
+      m.output_tokens = s.at("output_tokens").get<std::vector<TokenId>>();
+      m.output = s.at("output").get<std::string>();
+      r.steps.push_back(std::move(m));
+    }
+    return r;
+  } catch (const nlohmann::json::exception& e) {
+    fail(ErrorCode::internal, "run report JSON: {}", e.what());
+  }
+}
+
+}  // namespace qkvshare::agents

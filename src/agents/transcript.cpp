@@ -1,0 +1,63 @@
+#include "transcript.hpp"
+
+#include "qkvshare/core/error.hpp"
+
+namespace qkvshare::agents {
+
+TurnFormat::TurnFormat(const Tokenizer& tok) : chatml_(tok.find("<|im_start|>").has_value() && tok.find("<|im_end|>")) {}
+
+std::string TurnFormat::turn(const std::string& role, const std::string& content) const {
+  if (chatml_) return "<|im_start|>" + role + "\n" + content + "<|im_end|>\n";
+  return content + "\n";
+}
+
+std::string TurnFormat::open(const std::string& system, const std::string& user) const {
+  std::string s = system.empty() ? "" : turn("system", system);
+  s += turn("user", user);
+  if (chatml_) s += "<|im_start|>assistant\n";
+  return s;
+}
+
+std::string TurnFormat::append(const std::string& system, const std::string& user) const {
+  // The previous reply is still open: close it, then open the new turn.
+  return (chatml_ ? "<|im_end|>\n" : "\n") + open(system, user);
+}
+
+std::string render_prompt(const Workflow& wf, const StepSpec& step, const std::map<std::string, std::string>& outputs) {
+  const AgentSpec& agent = wf.agents.at(step.agent);
+  const std::string& tmpl = step.prompt.empty() ? agent.prompt : step.prompt;
+  std::string inputs;
+  for (const auto& in : step.inputs) {
+    if (in.mode != HandoffMode::text) continue;
+    inputs += "[" + in.from + "]\n" + outputs.at(in.from) + "\n\n";
+  }
+  std::string out;
+  bool placed_inputs = false;
+  for (std::size_t pos = 0; pos < tmpl.size();) {
+    const std::size_t open = tmpl.find('{', pos);
+    if (open == std::string::npos) {
+      out += tmpl.substr(pos);
+      break;
+    }
+    const std::size_t close = tmpl.find('}', open);
+    QKV_CHECK(close != std::string::npos);  // the parser checked every placeholder
+    out += tmpl.substr(pos, open - pos);
+    const std::string name = tmpl.substr(open + 1, close - open - 1);
+    if (name == "task") {
+      out += wf.task;
+    } else if (name == "inputs") {
+      out += inputs;
+      placed_inputs = true;
+    } else if (name.rfind("output:", 0) == 0) {
+      const auto it = outputs.find(name.substr(7));
+      QKV_CHECK(it != outputs.end());
+      out += it->second;
+    } else if (name.rfind("doc:", 0) == 0) {
+      out += wf.documents.at(name.substr(4));
+    }
+    pos = close + 1;
+  }
+  return placed_inputs || inputs.empty() ? out : inputs + out;
+}
+
+}  // namespace qkvshare::agents

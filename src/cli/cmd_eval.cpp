@@ -1,0 +1,150 @@
+// qkvshare eval: perplexity, KL and top-1 agreement of KV formats against the
+// f32 KV cache over a text (docs/kv-quality.md). Progress goes to stderr, the
+// table to stdout, and everything to --json.
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "common.hpp"
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/engine/eval.hpp"
+
+namespace qkvshare::cli {
+
+namespace {
+
+struct EvalArgs {
+  ModelArgs model;
+  std::string text_path;
+  std::string kv = "all";
+  int ctx = 512;
+  long max_tokens = 0;
+  std::string score = "half";
+  int block = 32;
+  int decode = 0;
+  std::string json_path;
+};
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(ErrorCode::io, "--text {}: cannot open", path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<KvFormat> parse_formats(const std::string& text) {
+  if (text == "all") return all_eval_formats();
+  std::vector<KvFormat> out;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    std::size_t end = text.find(',', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(pos, end - pos);
+    if (item == "all") {
+      for (const KvFormat& f : all_eval_formats()) out.push_back(f);
+    } else {
+      out.push_back(KvFormat::parse(item));
+    }
+    pos = end + 1;
+  }
+  return out;
+}
+
+void print_table(const EvalReport& r, bool decode) {
+  std::printf("%-28s %8s %9s %10s %8s %9s %9s %7s %9s", "format", "bits/el", "KV B/tok", "PPL", "delta %", "mean KL",
+              "p99 KL", "top-1", "prefill/s");
+  std::printf(decode ? " %9s\n" : "\n", "decode/s");
+  for (const EvalFormatResult& f : r.results) {
+    std::printf("%-28s %8.2f %9.0f %10.4f %+8.3f %9.5f %9.5f %6.2f%% %9.1f", f.format.c_str(), f.bits_per_element,
+                f.kv_bytes_per_token, f.ppl, f.ppl_delta_pct, f.mean_kl, f.p99_kl, f.top1 * 100.0,
+                f.prefill_tokens_per_s);
+    if (decode) std::printf(" %9.1f", f.decode_tokens_per_s);
+    std::printf("\n");
+  }
+}
+
+nlohmann::json to_json(const EvalArgs& a, const EvalReport& r) {
+  nlohmann::json j;
+  j["model"] = a.model.model_path;
+  j["text"] = a.text_path;
+  j["ctx"] = r.ctx;
+  j["block_tokens"] = a.block;
+  j["windows"] = r.windows;
+  j["scored_per_format"] = r.scored;
+  j["text_tokens"] = r.text_tokens;
+  j["scored_positions"] = r.score_all ? "all" : "second half of each window";
+  j["formats"] = nlohmann::json::array();
+  for (const EvalFormatResult& f : r.results)
+    j["formats"].push_back({{"format", f.format},
+                            {"bits_per_element", f.bits_per_element},
+                            {"cold_bits_per_element", f.cold_bits_per_element},
+                            {"kv_bytes_per_token", f.kv_bytes_per_token},
+                            {"ppl", f.ppl},
+                            {"ppl_delta_pct", f.ppl_delta_pct},
+                            {"mean_kl", f.mean_kl},
+                            {"p99_kl", f.p99_kl},
+                            {"top1", f.top1},
+                            {"scored", f.scored},
+                            {"prefill_tokens_per_s", f.prefill_tokens_per_s},
+                            {"decode_tokens_per_s", f.decode_tokens_per_s}});
+  return j;
+}
+
+void run_eval(const EvalArgs& a) {
+  if (a.score != "half" && a.score != "all")
+    fail(ErrorCode::invalid_argument, "--score must be half or all, got '{}'", a.score);
+  const std::vector<KvFormat> formats = parse_formats(a.kv);  // bad formats fail before the model loads
+  const std::string text = read_text(a.text_path);
+  auto model = load_model(a.model);
+  const auto tokens = model->tokenizer().encode(text);
+  std::fprintf(stderr, "%s: %zu tokens\n", a.text_path.c_str(), tokens.size());
+  Engine engine(*model, EngineOptions{a.model.threads});
+  EvalOptions o;
+  o.ctx = a.ctx;
+  o.max_scored = a.max_tokens;
+  o.score_all = a.score == "all";
+  o.block_tokens = a.block;
+  o.decode_tokens = a.decode;
+  const bool tty = isatty(fileno(stderr)) != 0;
+  o.progress = [tty](const std::string& line) {
+    std::fprintf(stderr, tty ? "\r\033[K%s" : "%s\n", line.c_str());
+    std::fflush(stderr);
+  };
+  const EvalReport r = evaluate_kv(engine, tokens, formats, o);
+  if (tty) std::fputc('\n', stderr);
+  std::printf("%s | %s | ctx %d | %ld windows | %ld tokens scored per format (%s)\n", a.model.model_path.c_str(),
+              a.text_path.c_str(), r.ctx, r.windows, r.scored, r.score_all ? "all positions" : "second half of each window");
+  print_table(r, a.decode > 0);
+  if (!a.json_path.empty()) {
+    std::ofstream out(a.json_path);
+    if (!out) fail(ErrorCode::io, "--json {}: cannot write", a.json_path);
+    out << to_json(a, r).dump(2) << "\n";
+  }
+}
+
+}  // namespace
+
+void register_eval(CLI::App& app) {
+  auto args = std::make_shared<EvalArgs>();
+  CLI::App* cmd = app.add_subcommand("eval", "Perplexity, KL and top-1 agreement of KV formats vs the f32 KV cache");
+  add_model_args(*cmd, args->model);
+  cmd->add_option("--text", args->text_path, "Text file to score")->required();
+  cmd->add_option("--kv", args->kv,
+                  "KV formats, comma-separated (f32, f16, int8, int4, int3, int2, kXvY, with :window=N:sink=N:rot=kv...), "
+                  "or 'all'");
+  cmd->add_option("--ctx", args->ctx, "Window length in tokens")->check(CLI::Range(4, 1 << 20));
+  cmd->add_option("--max-tokens", args->max_tokens, "Stop after about this many scored tokens (whole windows; 0: all)")
+      ->check(CLI::Range(0L, 1L << 40));
+  cmd->add_option("--score", args->score, "Positions scored per window: half (the second half, as llama.cpp) or all");
+  cmd->add_option("--block", args->block, "KV block size in tokens (power of two)")->check(CLI::Range(1, 4096));
+  cmd->add_option("--decode", args->decode, "Also time this many decode steps ending at depth --ctx, per format")
+      ->check(CLI::Range(0, 1 << 20));
+  cmd->add_option("--json", args->json_path, "Write the results as JSON to this file");
+  cmd->callback([args] { run_eval(*args); });
+}
+
+}  // namespace qkvshare::cli

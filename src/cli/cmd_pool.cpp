@@ -1,0 +1,112 @@
+// qkvshare pool serve|stat|unlink: the shared-memory pool other processes map.
+#include <signal.h>
+
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <cstdio>
+#include <ctime>
+#include <iostream>
+
+#include "common.hpp"
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/share/share_pool.hpp"
+
+namespace qkvshare::cli {
+
+namespace {
+
+struct PoolArgs {
+  std::string name, bytes = "256M";
+  ShareConfig config;
+};
+
+// "1073741824", "512M", "2G", "64K" (powers of 1024).
+std::size_t parse_bytes(const std::string& text) {
+  std::uint64_t v = 0;
+  const auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  std::string_view unit(p, static_cast<std::size_t>(text.data() + text.size() - p));
+  int shift = 0;
+  if (unit == "K" || unit == "KiB") shift = 10;
+  else if (unit == "M" || unit == "MiB") shift = 20;
+  else if (unit == "G" || unit == "GiB") shift = 30;
+  else if (!unit.empty()) shift = -1;
+  if (ec != std::errc() || shift < 0 || p == text.data() || v == 0 || v > (std::uint64_t{1} << (50 - shift)))
+    fail(ErrorCode::invalid_argument, "--bytes: '{}' is not a size (e.g. 268435456, 256M, 2G)", text);
+  return static_cast<std::size_t>(v << shift);
+}
+
+void run_serve(PoolArgs& a) {
+  a.config.bytes = parse_bytes(a.bytes);
+  // Block the signals first, so that one arriving while the pool is being
+  // created is not lost: the loop below collects it and cleans up.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  sigaddset(&stop, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  auto pool = SharePool::create(a.name, a.config);
+  std::printf("pool %s ready: %zu bytes, %d contexts of up to %d tokens, %d processes\n", a.name.c_str(),
+              a.config.bytes, a.config.max_contexts, a.config.max_tokens, a.config.max_processes);
+  std::fflush(stdout);
+  const long ms = a.config.reap_interval_ms;
+  const timespec wait{ms / 1000, (ms % 1000) * 1000000L};
+  int sig = -1;
+  while (sig < 0) {
+    sig = sigtimedwait(&stop, nullptr, &wait);
+    if (sig < 0 && errno != EAGAIN && errno != EINTR)
+      fail(ErrorCode::io, "pool serve: sigtimedwait failed: {}", std::strerror(errno));
+    try {
+      if (const int n = pool->reap(); n > 0)
+        std::fprintf(stderr, "pool %s: reclaimed %d dead process%s\n", a.name.c_str(), n, n == 1 ? "" : "es");
+    } catch (const Error& e) {
+      std::fprintf(stderr, "pool %s: reaper: %s\n", a.name.c_str(), e.what());
+    }
+  }
+  ShmRegion::unlink(a.name);
+  std::fprintf(stderr, "pool %s: %s, unlinked\n", a.name.c_str(), strsignal(sig));
+}
+
+void run_stat(const PoolArgs& a) {
+  auto pool = SharePool::attach(a.name);
+  pool->reap();
+  std::cout << pool->stats().json() << "\n";
+}
+
+void run_unlink(const PoolArgs& a) {
+  ShmRegion::validate_name(a.name);
+  if (!ShmRegion::unlink(a.name)) fail(ErrorCode::io, "pool '{}' does not exist", a.name);
+}
+
+}  // namespace
+
+void register_pool(CLI::App& app) {
+  CLI::App* cmd = app.add_subcommand("pool", "Serve or examine a shared-memory KV pool");
+  cmd->require_subcommand(1);
+
+  auto s = std::make_shared<PoolArgs>();
+  CLI::App* serve = cmd->add_subcommand("serve", "Create a pool and hold it until SIGINT/SIGTERM (then unlink it)");
+  serve->add_option("--name", s->name, "Pool name (/dev/shm/qkvshare.NAME)")->required();
+  serve->add_option("--bytes", s->bytes, "Size of the whole pool: registry, ledgers and KV (e.g. 256M, 2G)");
+  serve->add_option("--contexts", s->config.max_contexts, "Sealed contexts alive at once")->check(CLI::Range(1, 65536));
+  serve->add_option("--grants", s->config.max_grants, "Descriptors alive at once")->check(CLI::Range(1, 1 << 20));
+  serve->add_option("--processes", s->config.max_processes, "Processes attached at once")->check(CLI::Range(1, 4096));
+  serve->add_option("--max-tokens", s->config.max_tokens, "Tokens of one sealed context")->check(CLI::Range(1, 1 << 24));
+  serve->add_option("--block-tokens", s->config.block_tokens, "Tokens per KV block (a power of two)");
+  serve->add_option("--reap-ms", s->config.reap_interval_ms, "How often dead processes are reclaimed")
+      ->check(CLI::Range(1, 3600000));
+  serve->callback([s] { run_serve(*s); });
+
+  auto st = std::make_shared<PoolArgs>();
+  CLI::App* stat = cmd->add_subcommand("stat", "Print a pool's counters as JSON");
+  stat->add_option("--name", st->name, "Pool name")->required();
+  stat->callback([st] { run_stat(*st); });
+
+  auto un = std::make_shared<PoolArgs>();
+  CLI::App* unlink = cmd->add_subcommand("unlink", "Remove a pool left behind by a `pool serve` that was killed");
+  unlink->add_option("--name", un->name, "Pool name")->required();
+  unlink->callback([un] { run_unlink(*un); });
+}
+
+}  // namespace qkvshare::cli

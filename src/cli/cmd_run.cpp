@@ -1,0 +1,122 @@
+// qkvshare run / demo: multi-agent workflows, alone or compared across modes.
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "common.hpp"
+#include "qkvshare/agents/compare.hpp"
+#include "qkvshare/agents/demo_workflow.hpp"
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_format.hpp"
+
+namespace qkvshare::cli {
+
+namespace {
+
+using namespace qkvshare::agents;
+
+struct RunArgs {
+  ModelArgs model;
+  std::string workflow;
+  std::string mode = "qkvshare";
+  std::string kv = "int8";
+  int ctx = 4096;
+  int max_tokens = 0;
+  bool compare = false;
+  bool quiet = false;
+  std::string json;
+};
+
+void print_outputs(const RunReport& r) {
+  for (const auto& s : r.steps) {
+    std::printf("=== %s (%s) ===\n%s\n\n", s.step.c_str(), s.agent.c_str(), s.output.c_str());
+  }
+  std::printf("%-12s %-18s %8s %9s %8s %8s %10s %9s\n", "step", "handoff", "ttft s", "prefill", "reused", "decode",
+              "KV KiB", "step s");
+  for (const auto& s : r.steps)
+    std::printf("%-12s %-18s %8.3f %9d %8d %8d %10.1f %9.2f\n", s.step.c_str(), s.handoff.c_str(), s.ttft_seconds,
+                s.prefill_computed, s.prefill_reused, s.decode_tokens, static_cast<double>(s.kv_bytes) / 1024.0,
+                s.seconds);
+  std::printf("total %.2f s (load %.2f s) | mode %s, KV %s | prefill computed %d, reused %d | peak KV %.2f MiB\n",
+              r.total_seconds, r.load_seconds, std::string(to_string(r.mode)).c_str(), r.kv.c_str(),
+              r.prefill_computed, r.prefill_reused, static_cast<double>(r.peak_kv_bytes) / (1 << 20));
+  std::fflush(stdout);
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  if (!out || !(out << text << "\n")) fail(ErrorCode::io, "{}: cannot write", path);
+}
+
+void execute(const Workflow& wf, const RunArgs& a) {
+  RunOptions opts;
+  opts.mode = parse_run_mode(a.mode);
+  KvFormat::parse(a.kv);  // reject a bad --kv before loading anything
+  opts.kv = a.kv;
+  opts.threads = a.model.threads;
+  opts.context = a.ctx;
+  opts.max_tokens_cap = a.max_tokens;
+  if (!a.quiet) opts.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  if (!a.compare) {
+    const RunReport r = run_workflow(wf, a.model.model_path, a.model.tokenizer_path, opts);
+    print_outputs(r);
+    if (!a.json.empty()) write_file(a.json, r.json());
+    return;
+  }
+  const auto runs = compare_modes(wf, a.model.model_path, a.model.tokenizer_path, opts, default_comparison());
+  for (const auto& r : runs)
+    if (r.spec.mode == RunMode::qkvshare && r.spec.kv == "int8") print_outputs(r.report);
+  std::printf("\n%s", format_comparison(runs).c_str());
+  std::printf("peak RSS: getrusage(RUSAGE_CHILDREN-style wait4) of a fresh child process per mode; independent "
+              "agents hold private weight copies.\n");
+  if (!a.json.empty()) write_file(a.json, comparison_json(runs));
+}
+
+std::string default_model_path() {
+  if (const char* env = std::getenv("QKVSHARE_MODEL"); env != nullptr && *env != '\0') return env;
+  std::filesystem::path dir;
+  if (const char* cache = std::getenv("QKVSHARE_CACHE"); cache != nullptr && *cache != '\0') dir = cache;
+  else if (const char* home = std::getenv("HOME"); home != nullptr) dir = std::filesystem::path(home) / ".cache/qkvshare/models";
+  return (dir / "SmolLM2-135M-Instruct.Q4_1.gguf").string();
+}
+
+void add_common(CLI::App& cmd, RunArgs& a) {
+  cmd.add_option("--threads", a.model.threads, "Worker threads (0: all cores)")->check(CLI::Range(0, 1024));
+  cmd.add_option("--mode", a.mode, "independent, shared-text or qkvshare");
+  cmd.add_option("--kv", a.kv, "KV format of qkvshare mode (f32, f16, int8, int4, int3, int2, kXvY[:options])");
+  cmd.add_option("--ctx", a.ctx, "Token capacity of each session")->check(CLI::Range(16, 1 << 20));
+  cmd.add_option("--max-tokens", a.max_tokens, "Cap every agent's new tokens (0: as the workflow says)")
+      ->check(CLI::Range(0, 1 << 20));
+  cmd.add_flag("--compare", a.compare, "Run in every mode and print one comparison table");
+  cmd.add_flag("-q,--quiet", a.quiet, "No progress lines on stderr");
+  cmd.add_option("--json", a.json, "Write the report (or the comparison) as JSON to FILE");
+}
+
+}  // namespace
+
+void register_run(CLI::App& app) {
+  auto run = std::make_shared<RunArgs>();
+  CLI::App* cmd = app.add_subcommand("run", "Run a multi-agent workflow file");
+  cmd->add_option("workflow", run->workflow, "Workflow YAML file")->required();
+  cmd->add_option("-m,--model", run->model.model_path, "Model file")->required();
+  cmd->add_option("-t,--tokenizer", run->model.tokenizer_path, "Tokenizer (llama2.c models only)");
+  add_common(*cmd, *run);
+  cmd->callback([run] { execute(Workflow::load(run->workflow), *run); });
+
+  auto demo = std::make_shared<RunArgs>();
+  demo->compare = true;
+  CLI::App* dcmd = app.add_subcommand("demo", "Researcher -> writer -> reviewer with QKVShare, then --compare");
+  dcmd->add_option("-m,--model", demo->model.model_path, "Model file (default: the fetched SmolLM2-135M-Instruct)");
+  dcmd->add_option("-t,--tokenizer", demo->model.tokenizer_path, "Tokenizer (llama2.c models only)");
+  add_common(*dcmd, *demo);
+  dcmd->add_flag("!--no-compare", demo->compare, "Only the QKVShare run");
+  dcmd->callback([demo] {
+    if (demo->model.model_path.empty()) demo->model.model_path = default_model_path();
+    if (!std::filesystem::exists(demo->model.model_path))
+      fail(ErrorCode::io, "{}: model not found: run scripts/fetch_model.sh or pass -m MODEL", demo->model.model_path);
+    execute(Workflow::parse(demo_workflow_yaml(), "<built-in demo>"), *demo);
+  });
+}
+
+}  // namespace qkvshare::cli

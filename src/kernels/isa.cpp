@@ -1,0 +1,105 @@
+#include "qkvshare/kernels/isa.hpp"
+
+#include <atomic>
+
+#include "kernel_table.hpp"
+#include "qkvshare/core/error.hpp"
+
+namespace qkvshare::kernels {
+
+namespace {
+
+#if QKVSHARE_X86_KERNELS
+#define QKVSHARE_ISA_TABLE(ns)                                                                                     \
+  detail::KernelTable {                                                                                            \
+    .gemm_f32 = detail::ns::gemm_f32, .gemm_f16 = detail::ns::gemm_f16, .gemm_bf16 = detail::ns::gemm_bf16,        \
+    .gemm_q8_0 = detail::ns::gemm_q8_0, .gemm_q4_0 = detail::ns::gemm_q4_0, .gemm_q4_1 = detail::ns::gemm_q4_1,    \
+    .gemm_q6_k = detail::ns::gemm_q6_k, .quantize_act = detail::ns::quantize_act, .attend = detail::ns::attend,     \
+    .silu_mul = detail::ns::silu_mul,                                                                              \
+  }
+// Constant-initialised, so that reading a table runs no code of its level.
+constinit const detail::KernelTable kAvx2 = QKVSHARE_ISA_TABLE(avx2);
+constinit const detail::KernelTable kAvx512 = QKVSHARE_ISA_TABLE(avx512);
+#undef QKVSHARE_ISA_TABLE
+#endif
+
+const detail::KernelTable* table_of(Isa isa) noexcept {
+  switch (isa) {
+    case Isa::portable: return &detail::portable_table();
+#if QKVSHARE_X86_KERNELS
+    case Isa::avx2: return &kAvx2;
+    case Isa::avx512: return &kAvx512;
+#else
+    case Isa::avx2:
+    case Isa::avx512: return nullptr;
+#endif
+  }
+  return nullptr;
+}
+
+bool cpu_supports(Isa isa) noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  switch (isa) {
+    case Isa::portable: return true;
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::avx512:
+      return cpu_supports(Isa::avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni");
+  }
+  return false;
+#else
+  return isa == Isa::portable;
+#endif
+}
+
+Isa probe() noexcept {
+  for (Isa isa : {Isa::avx512, Isa::avx2})
+    if (isa_available(isa)) return isa;
+  return Isa::portable;
+}
+
+struct Active {
+  std::atomic<Isa> isa{probe()};
+  std::atomic<const detail::KernelTable*> table{table_of(isa.load())};
+};
+
+Active& active() noexcept {
+  static Active a;
+  return a;
+}
+
+}  // namespace
+
+std::string_view isa_name(Isa isa) noexcept {
+  switch (isa) {
+    case Isa::portable: return "portable";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+  }
+  return "?";
+}
+
+bool isa_available(Isa isa) noexcept { return table_of(isa) != nullptr && cpu_supports(isa); }
+
+Isa best_isa() noexcept {
+  static const Isa best = probe();
+  return best;
+}
+
+Isa active_isa() noexcept { return active().isa.load(std::memory_order_relaxed); }
+
+void set_active_isa(Isa isa) {
+  if (!isa_available(isa))
+    fail(ErrorCode::invalid_argument, "kernel ISA '{}' is not available on this CPU or in this build", isa_name(isa));
+  active().table.store(table_of(isa), std::memory_order_release);
+  active().isa.store(isa, std::memory_order_release);
+}
+
+namespace detail {
+const KernelTable& kernels() noexcept { return *active().table.load(std::memory_order_acquire); }
+}  // namespace detail
+
+}  // namespace qkvshare::kernels

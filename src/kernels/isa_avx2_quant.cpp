@@ -1,0 +1,179 @@
+// AVX2 kernels of the 8-bit-activation dots (Q8_0, Q4_0, Q4_1, Q6_K weights)
+// and the activation quantizer. Built with AVX2/FMA/F16C flags; reached only
+// through isa.cpp after the CPU check. A step is one 32-block (or an eighth of
+// a Q6_K super-block): maddubs multiplies unsigned codes u by the int8
+// activations into int16 pairs, madd sums pairs into 32-bit lanes of 4 values,
+// ActQ8::bias removes the offset of u, and each lane is scaled by d_w * d_x.
+// maddubs saturates at 32767, so u must stay small (<= 63, true of Q4 and Q6);
+// Q8_0 instead uses the sign trick (|w| times x with w's sign), <= 128 * 127 * 2.
+#include "simd_intrin.hpp"
+
+#include "gemm_tiles.hpp"
+#include "kernel_table.hpp"
+#include "qkvshare/kernels/quant.hpp"  // block layouts only
+
+namespace qkvshare::kernels::detail::avx2 {
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+struct WQ {
+  __m256i q;
+  __m256 d;
+  __m256 m;
+};
+struct XQ {
+  __m256i q;
+  __m256 dl;
+  __m256i bias;
+  __m256 xs;
+};
+
+// kSigned: w.q holds signed int8 codes (Q8_0), multiplied with the sign trick.
+template <bool kMin, bool kSigned = false>
+struct QBase {
+  using Acc = __m256;
+  using W = WQ;
+  using X = XQ;
+  static __m256 zero() { return _mm256_setzero_ps(); }
+  static float reduce(__m256 v) { return hsum(v); }
+  static bool tail(std::int64_t) { return false; }
+  static XQ load_x(const GemmArgs& a, std::int64_t t, std::int64_t s) {
+    const std::int64_t off = t * a.cols + 32 * s;
+    XQ x{};
+    x.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.act.qs + off));
+    x.dl = _mm256_loadu_ps(a.act.dl + off / 4);
+    if constexpr (kMin)
+      x.xs = _mm256_loadu_ps(a.act.xs + off / 4);
+    else if constexpr (!kSigned)
+      x.bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.act.bias + off / 4));
+    return x;
+  }
+  static XQ load_x_tail(const GemmArgs& a, std::int64_t t, std::int64_t s) { return load_x(a, t, s); }
+  static void mac(__m256& acc, const WQ& w, const XQ& x) {
+    __m256i p16;
+    if constexpr (kSigned)
+      p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w.q, w.q), _mm256_sign_epi8(x.q, w.q));
+    else
+      p16 = _mm256_maddubs_epi16(w.q, x.q);
+    __m256i p = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    if constexpr (!kMin && !kSigned) p = _mm256_add_epi32(p, x.bias);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(w.d, x.dl), acc);
+    if constexpr (kMin) acc = _mm256_fmadd_ps(w.m, x.xs, acc);
+  }
+};
+
+inline __m256i nibbles(const std::uint8_t* qs) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(a, 4), a), _mm256_set1_epi8(0x0f));
+}
+
+struct FQ4_0 : QBase<false> {
+  static std::int64_t steps(std::int64_t cols) { return cols / 32; }
+  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockQ4_0* b = reinterpret_cast<const BlockQ4_0*>(row) + s;
+    WQ w{};
+    w.q = nibbles(b->qs);
+    w.d = _mm256_set1_ps(_cvtsh_ss(b->d));
+    return w;
+  }
+  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+};
+
+struct FQ4_1 : QBase<true> {
+  static std::int64_t steps(std::int64_t cols) { return cols / 32; }
+  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockQ4_1* b = reinterpret_cast<const BlockQ4_1*>(row) + s;
+    WQ w{};
+    w.q = nibbles(b->qs);
+    w.d = _mm256_set1_ps(_cvtsh_ss(b->d));
+    w.m = _mm256_set1_ps(_cvtsh_ss(b->m));
+    return w;
+  }
+  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+};
+
+struct FQ8_0 : QBase<false, true> {
+  static std::int64_t steps(std::int64_t cols) { return cols / 32; }
+  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockQ8_0* b = reinterpret_cast<const BlockQ8_0*>(row) + s;
+    WQ w{};
+    w.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs));
+    w.d = _mm256_set1_ps(_cvtsh_ss(b->d));
+    return w;
+  }
+  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+};
+
+// A step is 32 values of a super-block: two groups of 16 with their own scales.
+struct FQ6_K : QBase<false> {
+  static std::int64_t steps(std::int64_t cols) { return cols / 32; }
+  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(row) + s / 8;
+    const int j = static_cast<int>(s % 8);
+    const int half = j / 4, sub = j % 4;  // layout in quant_ref.cpp's dequant_q6_k
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * half + 32 * (sub & 1)));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * half));
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128(4 * (sub >> 1))), _mm256_set1_epi8(0x0f));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * sub)), _mm256_set1_epi8(3));
+    WQ w{};
+    w.q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    const float d = _cvtsh_ss(b->d);
+    w.d = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(b->scales[2 * j + 1])),
+                          _mm_set1_ps(d * static_cast<float>(b->scales[2 * j])));
+    return w;
+  }
+  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+};
+
+void quantize_block_rows(const float* x, std::int64_t n, std::int32_t bias_mult, std::int8_t* qs, float* d,
+                         float* dl, std::int32_t* bias, float* xs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (std::int64_t b = 0; b < n / 32; ++b) {
+    __m256 v[4];
+    // maxps(|x|, m) keeps m where |x| is NaN, as std::max(m, |x|) does in the portable level.
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+      m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    float db = amax / 127.0f;
+    float id = 1.0f / db;
+    if (!(amax >= kActFlush)) db = id = 0.0f;
+    d[b] = db;
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)), _mm256_set1_ps(-127.0f)),
+                                              _mm256_set1_ps(127.0f)));
+    // packs work within 128-bit lanes; the permute restores element order.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i q8 = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + 32 * b), q8);
+    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q8), _mm256_set1_epi16(1));
+    _mm256_storeu_ps(dl + 8 * b, _mm256_set1_ps(db));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bias + 8 * b), _mm256_mullo_epi32(sums, _mm256_set1_epi32(bias_mult)));
+    _mm256_storeu_ps(xs + 8 * b, _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(sums)));
+  }
+}
+
+}  // namespace
+
+void gemm_q8_0(const GemmArgs& a) { gemm_tiled<FQ8_0, 2, 2>(a); }
+void gemm_q4_0(const GemmArgs& a) { gemm_tiled<FQ4_0, 2, 2>(a); }
+void gemm_q4_1(const GemmArgs& a) { gemm_tiled<FQ4_1, 2, 2>(a); }
+void gemm_q6_k(const GemmArgs& a) { gemm_tiled<FQ6_K, 2, 2>(a); }
+void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, std::int8_t* qs, float* d, float* dl,
+                  std::int32_t* bias, float* xs) {
+  quantize_block_rows(x, n, bias_mult, qs, d, dl, bias, xs);
+}
+
+}  // namespace qkvshare::kernels::detail::avx2

@@ -1,0 +1,172 @@
+// Portable kernels: plain C++ for any CPU, and the fallback of every SIMD
+// level. They do the same arithmetic as the SIMD levels (8-bit activations
+// for quantized weights, f32 activations otherwise), so the two differ only in
+// float summation order; the scalar references in quant_ref.cpp stay the
+// exact oracle (DESIGN.md rule 3).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernel_table.hpp"
+#include "qkvshare/core/half.hpp"
+#include "qkvshare/kernels/attention.hpp"
+#include "qkvshare/kernels/ops.hpp"
+#include "qkvshare/kernels/quant.hpp"
+
+namespace qkvshare::kernels::detail {
+
+namespace {
+
+void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, std::int8_t* qs, float* d, float* dl,
+                  std::int32_t* bias, float* xs) {
+  for (std::int64_t b = 0; b < n / kQK; ++b) {
+    const float* xb = x + kQK * b;
+    float amax = 0.0f;
+    // std::max keeps amax when |x| is NaN, as maxps(|x|, amax) does in the SIMD levels.
+    for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    float db = amax / 127.0f;
+    float id = 1.0f / db;
+    if (!(amax >= kActFlush)) db = id = 0.0f;
+    d[b] = db;
+    for (int g = 0; g < kQK / 4; ++g) {
+      int sum = 0;
+      for (int j = 0; j < 4; ++j) {
+        // Clamp before rounding so that no input (inf, NaN) makes the int conversion undefined.
+        const float v = std::fmin(std::fmax(xb[4 * g + j] * id, -127.0f), 127.0f);
+        const int q = static_cast<int>(std::nearbyint(v));
+        qs[kQK * b + 4 * g + j] = static_cast<std::int8_t>(q);
+        sum += q;
+      }
+      dl[8 * b + g] = db;
+      bias[8 * b + g] = bias_mult * sum;
+      xs[8 * b + g] = db * static_cast<float>(sum);
+    }
+  }
+}
+
+// Runs dot(row, t) for every row and token of the range.
+template <class Dot>
+void each_row_token(const GemmArgs& a, Dot dot) {
+  for (std::int64_t r = 0; r < a.n_rows; ++r) {
+    const std::uint8_t* row = a.w + static_cast<std::size_t>(r) * a.row_bytes;
+    for (std::int64_t t = 0; t < a.n_tokens; ++t) a.y[t * a.ldy + r] = dot(row, t);
+  }
+}
+
+void gemm_f32(const GemmArgs& a) {
+  each_row_token(a, [&](const std::uint8_t* row, std::int64_t t) {
+    return dot_f32(reinterpret_cast<const float*>(row), a.x + t * a.cols, a.cols);
+  });
+}
+
+template <float (*Convert)(std::uint16_t) noexcept>
+void gemm_half(const GemmArgs& a) {
+  each_row_token(a, [&](const std::uint8_t* row, std::int64_t t) {
+    const float* x = a.x + t * a.cols;
+    float sum = 0.0f;
+    for (std::int64_t i = 0; i < a.cols; ++i) {
+      std::uint16_t h;
+      std::memcpy(&h, row + 2 * i, 2);
+      sum += Convert(h) * x[i];
+    }
+    return sum;
+  });
+}
+
+// The activation block b of token t.
+const std::int8_t* act_q(const ActQ8& act, std::int64_t t, std::int64_t b) { return act.qs + t * act.cols + kQK * b; }
+float act_d(const ActQ8& act, std::int64_t t, std::int64_t b) { return act.d[t * (act.cols / kQK) + b]; }
+
+void gemm_q8_0(const GemmArgs& a) {
+  each_row_token(a, [&](const std::uint8_t* row, std::int64_t t) {
+    const auto* w = reinterpret_cast<const BlockQ8_0*>(row);
+    float sum = 0.0f;
+    for (std::int64_t b = 0; b < a.cols / kQK; ++b) {
+      const std::int8_t* x = act_q(a.act, t, b);
+      int s = 0;
+      for (int j = 0; j < kQK; ++j) s += w[b].qs[j] * x[j];
+      sum += fp16_to_fp32(w[b].d) * act_d(a.act, t, b) * static_cast<float>(s);
+    }
+    return sum;
+  });
+}
+
+void gemm_q4_0(const GemmArgs& a) {
+  each_row_token(a, [&](const std::uint8_t* row, std::int64_t t) {
+    const auto* w = reinterpret_cast<const BlockQ4_0*>(row);
+    float sum = 0.0f;
+    for (std::int64_t b = 0; b < a.cols / kQK; ++b) {
+      const std::int8_t* x = act_q(a.act, t, b);
+      int s = 0;
+      for (int j = 0; j < kQK / 2; ++j)
+        s += ((w[b].qs[j] & 0x0f) - 8) * x[j] + ((w[b].qs[j] >> 4) - 8) * x[j + kQK / 2];
+      sum += fp16_to_fp32(w[b].d) * act_d(a.act, t, b) * static_cast<float>(s);
+    }
+    return sum;
+  });
+}
+
+void gemm_q4_1(const GemmArgs& a) {
+  each_row_token(a, [&](const std::uint8_t* row, std::int64_t t) {
+    const auto* w = reinterpret_cast<const BlockQ4_1*>(row);
+    float sum = 0.0f;
+    for (std::int64_t b = 0; b < a.cols / kQK; ++b) {
+      const std::int8_t* x = act_q(a.act, t, b);
+      int s = 0, sx = 0;
+      for (int j = 0; j < kQK / 2; ++j) {
+        s += (w[b].qs[j] & 0x0f) * x[j] + (w[b].qs[j] >> 4) * x[j + kQK / 2];
+        sx += x[j] + x[j + kQK / 2];
+      }
+      const float dx = act_d(a.act, t, b);
+      sum += fp16_to_fp32(w[b].d) * dx * static_cast<float>(s) + fp16_to_fp32(w[b].m) * dx * static_cast<float>(sx);
+    }
+    return sum;
+  });
+}
+
+void gemm_q6_k(const GemmArgs& a) {
+  each_row_token(a, [&](const std::uint8_t* row, std::int64_t t) {
+    const auto* w = reinterpret_cast<const BlockQ6_K*>(row);
+    float sum = 0.0f;
+    for (std::int64_t sb = 0; sb < a.cols / kQK_K; ++sb) {
+      std::int8_t q[kQK_K];  // the 6-bit codes minus 32, in element order
+      const std::uint8_t* ql = w[sb].ql;
+      const std::uint8_t* qh = w[sb].qh;
+      for (int n = 0; n < kQK_K; n += 128, ql += 64, qh += 32)
+        for (int l = 0; l < 32; ++l) {
+          q[n + l] = static_cast<std::int8_t>(((ql[l] & 0xf) | ((qh[l] & 3) << 4)) - 32);
+          q[n + l + 32] = static_cast<std::int8_t>(((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32);
+          q[n + l + 64] = static_cast<std::int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+          q[n + l + 96] = static_cast<std::int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+      const float d = fp16_to_fp32(w[sb].d);
+      for (int g = 0; g < kQK_K / 16; ++g) {
+        const std::int64_t b = sb * (kQK_K / kQK) + g / 2;
+        const std::int8_t* x = act_q(a.act, t, b) + 16 * (g % 2);
+        int s = 0;
+        for (int j = 0; j < 16; ++j) s += q[16 * g + j] * x[j];
+        sum += d * static_cast<float>(w[sb].scales[g]) * act_d(a.act, t, b) * static_cast<float>(s);
+      }
+    }
+    return sum;
+  });
+}
+
+constexpr KernelTable kPortable{
+    .gemm_f32 = gemm_f32,
+    .gemm_f16 = gemm_half<fp16_to_fp32>,
+    .gemm_bf16 = gemm_half<bf16_to_fp32>,
+    .gemm_q8_0 = gemm_q8_0,
+    .gemm_q4_0 = gemm_q4_0,
+    .gemm_q4_1 = gemm_q4_1,
+    .gemm_q6_k = gemm_q6_k,
+    .quantize_act = quantize_act,
+    .attend = attend_head_f32_ref,
+    .silu_mul = silu_mul_ref,
+};
+
+}  // namespace
+
+const KernelTable& portable_table() noexcept { return kPortable; }
+
+}  // namespace qkvshare::kernels::detail

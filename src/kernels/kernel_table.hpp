@@ -1,0 +1,107 @@
+#pragma once
+// Internal: the table of ISA-specific kernels behind the one dispatch point
+// (isa.cpp). Each ISA lives in its own translation units compiled with their
+// own -m flags. Those units must not define or odr-use inline functions of
+// shared headers (std templates, half.hpp, TensorView members): the linker
+// keeps one copy of an inline function, and if it kept the AVX-512 one, a CPU
+// without AVX-512 would fault in code that never asked for it. Hence this
+// header holds only plain structs and function-pointer types.
+#include <cstddef>
+#include <cstdint>
+
+namespace qkvshare::kernels::detail {
+
+// Activations of n_tokens rows of `cols` values rounded to 8 bits in blocks of
+// 32 (cols % 32 == 0), as ggml's Q8_0/Q8_1 but laid out for SIMD: besides the
+// int8 values, every group of 4 consecutive values (one 32-bit dot lane of
+// VNNI / maddubs+madd) carries its block's scale and its sum, so the kernels
+// load these lanes instead of broadcasting per block.
+struct ActQ8 {
+  const std::int8_t* qs = nullptr;    // [t * cols + i]
+  const float* d = nullptr;           // [t * cols / 32 + b]: x ~= d * q
+  const float* dl = nullptr;          // [t * cols / 4 + g]: d of the group's block
+  const std::int32_t* bias = nullptr;  // [t * cols / 4 + g]: bias_mult * sum of the group's 4 q
+  const float* xs = nullptr;          // [t * cols / 4 + g]: d * sum of the group's 4 q (Q4_1's min term)
+  std::int64_t cols = 0;
+};
+
+// Multiplier of ActQ8::bias for a weight type whose SIMD kernels multiply
+// unsigned weight codes u = q + offset: sum(q * x) = sum(u * x) - offset * sum(x).
+inline constexpr std::int32_t kBiasQ4_0 = -8;
+inline constexpr std::int32_t kBiasQ8_0 = -128;
+inline constexpr std::int32_t kBiasQ6_K = -32;
+
+// y[t * ldy + r] = W.row(r0 + r) . x[t] for r < n_rows, t < n_tokens.
+struct GemmArgs {
+  const std::uint8_t* w = nullptr;  // row 0 of the range
+  std::size_t row_bytes = 0;
+  std::int64_t n_rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t n_tokens = 0;
+  const float* x = nullptr;  // float activations [t * cols + i] (F32, F16, BF16 weights)
+  ActQ8 act;                 // quantized activations (Q8_0, Q4_0, Q4_1, Q6_K weights)
+  float* y = nullptr;
+  std::int64_t ldy = 0;
+};
+using GemmFn = void (*)(const GemmArgs&);
+
+// Quantizes one token row: n values (n % 32 == 0) into the ActQ8 arrays at
+// that row's offsets. Every ISA must produce the same bytes as the portable one.
+using QuantizeActFn = void (*)(const float* x, std::int64_t n, std::int32_t bias_mult, std::int8_t* qs, float* d,
+                               float* dl, std::int32_t* bias, float* xs);
+
+// out = softmax(q . k_j * scale) . v_j over j < n_keys (see attention.hpp).
+using AttendFn = void (*)(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys,
+                          int head_dim, float scale, float* scores, float* out);
+
+// gate = silu(gate) * up (see ops.hpp).
+using SiluMulFn = void (*)(float* gate, const float* up, std::int64_t n);
+
+struct KernelTable {
+  GemmFn gemm_f32 = nullptr;
+  GemmFn gemm_f16 = nullptr;
+  GemmFn gemm_bf16 = nullptr;
+  GemmFn gemm_q8_0 = nullptr;
+  GemmFn gemm_q4_0 = nullptr;
+  GemmFn gemm_q4_1 = nullptr;
+  GemmFn gemm_q6_k = nullptr;
+  QuantizeActFn quantize_act = nullptr;
+  AttendFn attend = nullptr;
+  SiluMulFn silu_mul = nullptr;
+};
+
+// Activation blocks whose largest |x| is below this are stored as zero: their
+// scale would be subnormal and 1/d would overflow. Dropping them changes a dot
+// by at most kActFlush * sum|w| over the block (the tests add that to the bound).
+inline constexpr float kActFlush = 1e-30f;
+
+// The active table (isa.cpp): the one dispatch point.
+const KernelTable& kernels() noexcept;
+
+const KernelTable& portable_table() noexcept;
+
+// The entry points of each SIMD level, defined in its own translation units
+// and gathered into tables by isa.cpp (built with base flags, so that nothing
+// of a level runs before the CPU check).
+#define QKVSHARE_DECLARE_ISA_KERNELS                                                                         \
+  void gemm_f32(const GemmArgs& a);                                                                          \
+  void gemm_f16(const GemmArgs& a);                                                                          \
+  void gemm_bf16(const GemmArgs& a);                                                                         \
+  void gemm_q8_0(const GemmArgs& a);                                                                         \
+  void gemm_q4_0(const GemmArgs& a);                                                                         \
+  void gemm_q4_1(const GemmArgs& a);                                                                         \
+  void gemm_q6_k(const GemmArgs& a);                                                                         \
+  void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, std::int8_t* qs, float* d,        \
+                    float* dl, std::int32_t* bias, float* xs);                                               \
+  void attend(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys,       \
+              int head_dim, float scale, float* scores, float* out);                                        \
+  void silu_mul(float* gate, const float* up, std::int64_t n);
+namespace avx2 {
+QKVSHARE_DECLARE_ISA_KERNELS
+}
+namespace avx512 {
+QKVSHARE_DECLARE_ISA_KERNELS
+}
+#undef QKVSHARE_DECLARE_ISA_KERNELS
+
+}  // namespace qkvshare::kernels::detail

@@ -1,0 +1,135 @@
+// The orchestrator on stories260K: exact continue semantics, context
+// lifetimes (pool counters) and the modes agreeing with each other.
+#include <gtest/gtest.h>
+
+#include "qkvshare/agents/compare.hpp"
+#include "qkvshare/agents/demo_workflow.hpp"
+#include "qkvshare/agents/orchestrator.hpp"
+#include "qkvshare/engine/generate.hpp"
+#include "test_paths.hpp"
+
+namespace qkvshare::agents {
+namespace {
+
+const std::string kModel = testing::shared_path("models/stories260K.bin");
+const std::string kTok = testing::shared_path("models/tok512.bin");
+
+const char* kChain = R"(name: chain
+agents:
+  teller:
+    system: A story.
+    prompt: Once upon a time there was a cat.
+    max_tokens: 40
+  continuer:
+    prompt: The next day the cat
+    max_tokens: 30
+steps:
+  - {id: first, agent: teller}
+  - {id: second, agent: continuer, inputs: [{from: first, mode: continue}]}
+)";
+
+RunOptions options(RunMode mode, const std::string& kv) {
+  RunOptions o;
+  o.mode = mode;
+  o.kv = kv;
+  o.threads = 1;
+  o.context = 512;
+  return o;
+}
+
+std::vector<TokenId> encode(const Tokenizer& tok, const std::string& text) { return tok.encode(text, true); }
+
+TEST(Orchestrator, ContinueEqualsOneSessionRunningTheSameTokens) {
+  const Workflow wf = Workflow::parse(kChain, "chain.yaml");
+  const RunReport r = run_workflow(wf, kModel, kTok, options(RunMode::qkvshare, "f32"));
+  ASSERT_EQ(r.steps.size(), 2u);
+  EXPECT_EQ(r.steps[1].handoff, "continue");
+  EXPECT_GT(r.steps[1].prefill_reused, 0);
+
+  // The same token sequence through one plain session, without any handoff.
+  auto model = Model::load(kModel, kTok);
+  Engine engine(*model, EngineOptions{1});
+  auto session = engine.new_session(512);
+  const Tokenizer& tok = model->tokenizer();
+  GenerateOptions go;
+  go.sampling.temperature = 0.0f;
+  go.max_new_tokens = 40;
+  std::vector<TokenId> feed{tok.bos_id()};
+  const auto first = encode(tok, "A story.\nOnce upon a time there was a cat.\n");
+  feed.insert(feed.end(), first.begin(), first.end());
+  const GenerateResult g1 = generate(engine, *session, feed, go);
+  EXPECT_EQ(g1.tokens, r.steps[0].output_tokens);
+
+  std::vector<TokenId> feed2;
+  if (!g1.tokens.empty() && g1.stop_reason != StopReason::end_of_generation) feed2.push_back(g1.tokens.back());
+  const auto second = encode(tok, "\nThe next day the cat\n");
+  feed2.insert(feed2.end(), second.begin(), second.end());
+  go.max_new_tokens = 30;
+  const GenerateResult g2 = generate(engine, *session, feed2, go);
+  EXPECT_EQ(g2.tokens, r.steps[1].output_tokens);
+  EXPECT_EQ(r.steps[1].prefill_computed, static_cast<int>(feed2.size()));
+}
+
+TEST(Orchestrator, NoContextOutlivesItsLastConsumer) {
+  const char* fanout = R"(agents:
+  reader: {prompt: "The dog ran to the park and found a red ball.", max_tokens: 0}
+  asker: {prompt: "What did the dog find?", max_tokens: 12}
+steps:
+  - {id: doc, agent: reader}
+  - {id: q1, agent: asker, inputs: [{from: doc, mode: fork}]}
+  - {id: q2, agent: asker, inputs: [{from: doc, mode: fork}]}
+  - {id: q3, agent: asker, inputs: [{from: doc, mode: fork}]}
+  - {id: sum, agent: asker, inputs: [q1, q2, q3]}
+)";
+  const Workflow wf = Workflow::parse(fanout, "fanout.yaml");
+  for (const char* kv : {"f32", "int8", "int4", "int2"}) {
+    const RunReport r = run_workflow(wf, kModel, kTok, options(RunMode::qkvshare, kv));
+    EXPECT_EQ(r.contexts_alive_at_end, 0) << kv;
+    EXPECT_EQ(r.pool_blocks_used_at_end, 0u) << kv;
+    for (int i = 1; i <= 3; ++i) {
+      EXPECT_EQ(r.steps[static_cast<std::size_t>(i)].handoff, "fork") << kv;
+      EXPECT_EQ(r.steps[static_cast<std::size_t>(i)].prefill_reused, r.steps[0].prefill_computed) << kv;
+    }
+    // The three forks ask the same question of the same context: same answer.
+    EXPECT_EQ(r.steps[1].output_tokens, r.steps[2].output_tokens) << kv;
+  }
+}
+
+TEST(Orchestrator, TextModesRecomputeWhatQkvshareReuses) {
+  const Workflow wf = Workflow::parse(kChain, "chain.yaml");
+  const RunReport shared = run_workflow(wf, kModel, kTok, options(RunMode::shared_text, "f16"));
+  const RunReport indep = run_workflow(wf, kModel, kTok, options(RunMode::independent, "f16"));
+  const RunReport kv = run_workflow(wf, kModel, kTok, options(RunMode::qkvshare, "f16"));
+  EXPECT_EQ(shared.steps[1].handoff, "text");
+  EXPECT_EQ(shared.steps[1].prefill_reused, 0);
+  EXPECT_GT(shared.steps[1].prefill_computed, kv.steps[1].prefill_computed);
+  EXPECT_LT(kv.prefill_computed, shared.prefill_computed);
+  // One engine or two, the same f16 text pipeline gives the same tokens.
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(shared.steps[i].output_tokens, indep.steps[i].output_tokens);
+  EXPECT_EQ(indep.weight_copies_bytes, 2 * shared.weight_copies_bytes);
+}
+
+TEST(Orchestrator, DemoComparisonRunsEndToEnd) {
+  const Workflow wf = Workflow::parse(demo_workflow_yaml(), "demo");
+  RunOptions o = options(RunMode::qkvshare, "int8");
+  o.max_tokens_cap = 40;  // stories260K has a 512-token context
+  const auto runs = compare_modes(wf, kModel, kTok, o, default_comparison());
+  ASSERT_EQ(runs.size(), default_comparison().size());
+  for (const auto& r : runs) {
+    EXPECT_GT(r.peak_rss_bytes, 0u) << r.spec.label();
+    EXPECT_EQ(r.report.steps.size(), 3u);
+    if (r.spec.kv == "f32") {
+      EXPECT_DOUBLE_EQ(r.agreement, 1.0);
+    }
+  }
+  EXPECT_NE(format_comparison(runs).find("qkvshare:int4"), std::string::npos);
+}
+
+TEST(Orchestrator, TokenAgreement) {
+  EXPECT_DOUBLE_EQ(token_agreement({1, 2, 3}, {1, 2, 3}), 1.0);
+  EXPECT_DOUBLE_EQ(token_agreement({1, 2, 3, 4}, {1, 2}), 0.5);
+  EXPECT_DOUBLE_EQ(token_agreement({}, {}), 1.0);
+}
+
+}  // namespace
+}  // namespace qkvshare::agents

@@ -1,0 +1,55 @@
+#pragma once
+// Drives a KvCache the way the forward pass does (write, attend per layer,
+// then commit) with synthetic rows, so pool behaviour is tested without a model.
+#include <random>
+#include <vector>
+
+#include "qkvshare/kernels/isa.hpp"
+#include "qkvshare/kv/kv_cache.hpp"
+
+namespace qkvshare::testing {
+
+struct Pass {
+  std::vector<std::vector<float>> k, v, q;  // per layer
+};
+
+// Restores the kernels' ISA when a test that forced one ends.
+struct IsaGuard {
+  kernels::Isa saved = kernels::active_isa();
+  ~IsaGuard() { kernels::set_active_isa(saved); }
+};
+
+inline Pass random_pass(const KvShape& s, int n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  Pass p;
+  for (int l = 0; l < s.n_layers; ++l) {
+    std::vector<float> k(static_cast<std::size_t>(n) * s.kv_dim()), v(k.size()), q(static_cast<std::size_t>(n) * s.q_dim());
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      const int c = static_cast<int>(i % static_cast<std::size_t>(s.head_dim));
+      k[i] = g(rng) * (c == 1 ? 6.0f : 1.0f);  // an outlier key channel
+      v[i] = g(rng);
+    }
+    for (auto& x : q) x = g(rng);
+    p.k.push_back(std::move(k));
+    p.v.push_back(std::move(v));
+    p.q.push_back(std::move(q));
+  }
+  return p;
+}
+
+// Runs one pass; returns the attention outputs of every layer, concatenated.
+inline std::vector<float> run_pass(KvCache& cache, const Pass& p, int n, ThreadPool& pool) {
+  const KvShape& s = cache.shape();
+  std::vector<float> all;
+  std::vector<float> out(static_cast<std::size_t>(n) * s.q_dim());
+  for (int l = 0; l < s.n_layers; ++l) {
+    cache.write(l, n, p.k[static_cast<std::size_t>(l)].data(), p.v[static_cast<std::size_t>(l)].data());
+    cache.attend(l, n, p.q[static_cast<std::size_t>(l)].data(), out.data(), pool);
+    all.insert(all.end(), out.begin(), out.end());
+  }
+  cache.commit(n);
+  return all;
+}
+
+}  // namespace qkvshare::testing

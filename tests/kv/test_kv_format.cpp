@@ -1,0 +1,100 @@
+#include <gtest/gtest.h>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_format.hpp"
+
+namespace qkvshare {
+namespace {
+
+TEST(KvFormat, NamedFormatsParseToKiviDefaults) {
+  const KvFormat f = KvFormat::parse("int4");
+  EXPECT_EQ(f.k.type, KvType::q4);
+  EXPECT_EQ(f.k.axis, KvAxis::channel);
+  EXPECT_EQ(f.v.type, KvType::q4);
+  EXPECT_EQ(f.v.axis, KvAxis::token);
+  EXPECT_EQ(f.v.group, 32);
+  const KvFormat e = KvFormat::parse("int8");
+  EXPECT_EQ(e.v.group, 0);  // per token per head
+  const KvFormat m = KvFormat::parse("k8v2:window=64:sink=4:rot=k");
+  EXPECT_EQ(m.k.type, KvType::q8);
+  EXPECT_EQ(m.v.type, KvType::q2);
+  EXPECT_EQ(m.window, 64);
+  EXPECT_EQ(m.sink, 4);
+  EXPECT_TRUE(m.rotate_k);
+  EXPECT_FALSE(m.rotate_v);
+  EXPECT_EQ(KvFormat::parse("f32").k, KvCodec::f32());
+  EXPECT_EQ(KvFormat::parse("k16v4").k, KvCodec::f16());
+}
+
+TEST(KvFormat, ToStringRoundTrips) {
+  for (const char* text : {"f32", "f16", "int8", "int4", "int3", "int2", "k8v4", "k16v2", "k32v16",
+                           "int8:kaxis=token", "int4:kaxis=token:kgroup=32", "int2:window=128:sink=32",
+                           "int4:vgroup=64", "int3:rot=kv", "k4v2:window=32:rot=v"}) {
+    const KvFormat f = KvFormat::parse(text);
+    EXPECT_EQ(f.to_string(), text);
+    EXPECT_EQ(KvFormat::parse(f.to_string()), f) << text;
+  }
+}
+
+TEST(KvFormat, BadTextNamesThePart) {
+  const auto message = [](const char* text) {
+    try {
+      KvFormat::parse(text);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "accepted " << text;
+    return std::string();
+  };
+  EXPECT_NE(message("int5").find("'int5'"), std::string::npos);
+  EXPECT_NE(message("q4").find("unknown name"), std::string::npos);
+  EXPECT_NE(message("k9v4").find("bits"), std::string::npos);
+  EXPECT_NE(message("int4:window").find("key=value"), std::string::npos);
+  EXPECT_NE(message("int4:window=-3").find("window"), std::string::npos);
+  EXPECT_NE(message("int4:foo=1").find("unknown option"), std::string::npos);
+  EXPECT_NE(message("int4:rot=x").find("rot"), std::string::npos);
+  EXPECT_NE(message("f16:kaxis=token").find("kaxis"), std::string::npos);
+  EXPECT_NE(message("int4:vgroup=12").find("vgroup"), std::string::npos);
+  EXPECT_NE(message("").find("unknown name"), std::string::npos);
+}
+
+TEST(KvFormat, CodecPacksAndRejectsGarbage) {
+  const KvCodec c{KvType::q3, KvAxis::token, 32};
+  EXPECT_EQ(KvCodec::unpack(c.pack()), c);
+  EXPECT_THROW(KvCodec::unpack(0x99), Error);
+  EXPECT_THROW(KvCodec::unpack(0x0100), Error);  // f32 with a channel axis
+}
+
+TEST(KvFormat, TileBytesAndBitsPerElement) {
+  // SmolLM2: head_dim 64, 32-token blocks.
+  const TileLayout f16 = tile_layout(KvCodec::f16(), 32, 64);
+  EXPECT_EQ(f16.bytes, 32u * 64u * 2u);
+  const TileLayout k4 = tile_layout(KvFormat::parse("int4").k, 32, 64);
+  EXPECT_EQ(k4.code_bytes, 32u * 32u);
+  EXPECT_EQ(k4.param_bytes, 64u * 4u);  // one (scale, min) f16 pair per channel
+  const TileLayout v4 = tile_layout(KvFormat::parse("int4").v, 32, 64);
+  EXPECT_EQ(v4.param_bytes, 32u * 2u * 4u);  // two groups of 32 channels per token
+  EXPECT_DOUBLE_EQ(KvFormat::parse("f16").cold_bits(32, 64), 16.0);
+  EXPECT_DOUBLE_EQ(KvFormat::parse("int4").cold_bits(32, 64), 5.0);  // 4 + (0.5 + 1.0 + 0.5... averaged)
+  EXPECT_DOUBLE_EQ(KvFormat::parse("int8").cold_bits(32, 64), (9.0 + 8.5) / 2);
+  EXPECT_THROW(tile_layout(KvCodec::f16(), 32, 12), Error);  // head_dim must be a multiple of 8
+}
+
+TEST(KvFormat, HotBlocks) {
+  const KvFormat f = KvFormat::parse("int2:window=40:sink=4");
+  // 200 tokens in 32-token blocks: 0..5 full, 6 partly filled.
+  EXPECT_TRUE(f.block_is_hot(0, 200, 32));   // sink
+  EXPECT_FALSE(f.block_is_hot(1, 200, 32));
+  EXPECT_FALSE(f.block_is_hot(3, 200, 32));
+  EXPECT_FALSE(f.block_is_hot(4, 200, 32));  // tokens 128..159
+  EXPECT_TRUE(f.block_is_hot(5, 200, 32));   // 160..191: within the last 40 (160..199)
+  EXPECT_TRUE(f.block_is_hot(6, 200, 32));   // tail
+  const KvFormat plain = KvFormat::parse("int4");
+  EXPECT_FALSE(plain.block_is_hot(0, 64, 32));
+  EXPECT_FALSE(plain.block_is_hot(1, 64, 32));
+  EXPECT_TRUE(plain.block_is_hot(2, 65, 32));
+}
+
+}  // namespace
+}  // namespace qkvshare

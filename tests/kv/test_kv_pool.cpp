@@ -1,0 +1,179 @@
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_pool.hpp"
+
+namespace qkvshare {
+namespace {
+
+const KvShape kShape{5, 8, 4, 8};  // stories260K
+
+std::shared_ptr<KvPool> make_pool(std::size_t bytes, int block_tokens = 32) {
+  return KvPool::create(PoolConfig{kShape, block_tokens, bytes});
+}
+
+TEST(KvPool, AllocateReleaseAccounting) {
+  auto pool = make_pool(1 << 20);
+  const PoolCounters start = pool->counters();
+  EXPECT_EQ(start.blocks_used, 0u);
+  EXPECT_EQ(start.pages_used, 0u);
+  EXPECT_GT(start.pages_total, 0u);
+  const BlockRef a = pool->allocate(KvCodec::f16(), KvCodec::f16(), 0);
+  const KvFormat q = KvFormat::parse("int2");
+  const BlockRef b = pool->allocate(q.k, q.v, kBlockRotatedK);
+  EXPECT_EQ(pool->counters().blocks_used, 2u);
+  EXPECT_EQ(pool->counters().pages_used, pool->pages_for(KvCodec::f16(), KvCodec::f16()) + pool->pages_for(q.k, q.v));
+  EXPECT_LT(pool->pages_for(q.k, q.v), pool->pages_for(KvCodec::f16(), KvCodec::f16()));
+  const BlockInfo ib = pool->info(b);
+  EXPECT_EQ(ib.k, q.k);
+  EXPECT_EQ(ib.v, q.v);
+  EXPECT_EQ(ib.flags, kBlockRotatedK);
+  EXPECT_EQ(ib.refcount, 1u);
+  pool->retain(b);
+  pool->release(b);
+  EXPECT_EQ(pool->counters().blocks_used, 2u);
+  pool->release(b);
+  pool->release(a);
+  const PoolCounters end = pool->counters();
+  EXPECT_EQ(end.blocks_used, 0u);
+  EXPECT_EQ(end.pages_free, start.pages_free);
+  EXPECT_EQ(end.allocations, 2u);
+  EXPECT_EQ(end.frees, 2u);
+}
+
+TEST(KvPool, TilesOfABlockAreDisjointAndInsideItsPages) {
+  auto pool = make_pool(1 << 20);
+  const KvFormat f = KvFormat::parse("k8v4");
+  const BlockRef a = pool->allocate(f.k, f.v, 0);
+  const BlockRef b = pool->allocate(KvCodec::f32(), KvCodec::f32(), 0);
+  // Fill every tile of a with its own byte, b with another, and check nothing overlaps.
+  std::vector<std::pair<std::byte*, std::size_t>> tiles;
+  for (const BlockRef r : {a, b}) {
+    const BlockInfo info = pool->info(r);
+    for (int kind = 0; kind < 2; ++kind)
+      for (int l = 0; l < kShape.n_layers; ++l)
+        for (int h = 0; h < kShape.n_kv_heads; ++h)
+          tiles.emplace_back(pool->tile(r, kind, l, h), tile_layout(kind == 0 ? info.k : info.v, 32, 8).bytes);
+  }
+  for (std::size_t i = 0; i < tiles.size(); ++i) std::memset(tiles[i].first, static_cast<int>(i % 251), tiles[i].second);
+  for (std::size_t i = 0; i < tiles.size(); ++i)
+    for (std::size_t j = 0; j < tiles[i].second; ++j)
+      ASSERT_EQ(tiles[i].first[j], static_cast<std::byte>(i % 251)) << "tile " << i << " overwritten";
+  pool->release(a);
+  pool->release(b);
+}
+
+TEST(KvPool, ExhaustionIsAClearErrorAndChangesNothing) {
+  auto pool = make_pool(64 * 1024);
+  std::vector<BlockRef> held;
+  try {
+    for (;;) held.push_back(pool->allocate(KvCodec::f16(), KvCodec::f16(), 0));
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::out_of_memory);
+    EXPECT_NE(std::string(e.what()).find("KV pool exhausted"), std::string::npos) << e.what();
+  }
+  ASSERT_FALSE(held.empty());
+  const PoolCounters full = pool->counters();
+  EXPECT_THROW(pool->allocate(KvCodec::f16(), KvCodec::f16(), 0), Error);
+  const PoolCounters after = pool->counters();
+  EXPECT_EQ(after.pages_free, full.pages_free);
+  EXPECT_EQ(after.blocks_used, full.blocks_used);
+  for (const BlockRef r : held) EXPECT_EQ(pool->info(r).refcount, 1u);
+  for (const BlockRef r : held) pool->release(r);
+  EXPECT_EQ(pool->counters().blocks_used, 0u);
+  EXPECT_EQ(pool->counters().pages_free, pool->counters().pages_total);
+}
+
+TEST(KvPool, StaleReferencesAreRefused) {
+  auto pool = make_pool(1 << 20);
+  const BlockRef a = pool->allocate(KvCodec::f16(), KvCodec::f16(), 0);
+  pool->release(a);
+  EXPECT_FALSE(pool->try_retain(a));  // freed
+  const BlockRef b = pool->allocate(KvCodec::f16(), KvCodec::f16(), 0);
+  EXPECT_EQ(b.index, a.index);  // the slot is reused ...
+  EXPECT_NE(b.generation, a.generation);  // ... under a new generation
+  EXPECT_FALSE(pool->try_retain(a));
+  EXPECT_EQ(pool->info(b).refcount, 1u);
+  EXPECT_TRUE(pool->try_retain(b));
+  EXPECT_EQ(pool->info(b).refcount, 2u);
+  EXPECT_FALSE(pool->try_retain(BlockRef{1u << 30, 0}));
+  EXPECT_THROW(pool->release(a), Error);  // a stale release is a bug, caught
+  pool->release(b);
+  pool->release(b);
+  EXPECT_EQ(pool->counters().blocks_used, 0u);
+}
+
+TEST(KvPool, ConcurrentRetainReleaseKeepsCountsExact) {
+  auto pool = make_pool(4 << 20);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(static_cast<unsigned>(t));
+      std::vector<BlockRef> mine;
+      for (int i = 0; i < 2000; ++i) {
+        if (mine.empty() || rng() % 3 != 0) {
+          try {
+            mine.push_back(pool->allocate(KvCodec::f16(), KvCodec::f16(), 0));
+            pool->retain(mine.back());
+            pool->release(mine.back());
+          } catch (const Error&) {
+          }
+        } else {
+          pool->release(mine.back());
+          mine.pop_back();
+        }
+      }
+      for (const BlockRef r : mine) pool->release(r);
+    });
+  for (auto& t : threads) t.join();
+  const PoolCounters c = pool->counters();
+  EXPECT_EQ(c.blocks_used, 0u);
+  EXPECT_EQ(c.pages_free, c.pages_total);
+  EXPECT_EQ(c.allocations, c.frees);
+}
+
+// The arena carries everything: a second pool object attached to the same
+// bytes sees the first one's blocks (as another process will).
+class BorrowedArena final : public Arena {
+ public:
+  BorrowedArena(std::byte* p, std::size_t n) : p_(p), n_(n) {}
+  std::byte* data() noexcept override { return p_; }
+  std::size_t size() const noexcept override { return n_; }
+
+ private:
+  std::byte* p_;
+  std::size_t n_;
+};
+
+TEST(KvPool, AttachValidatesAndSharesState) {
+  HeapArena bytes(1 << 20);
+  auto a = KvPool::create(PoolConfig{kShape, 32, 0}, std::make_unique<BorrowedArena>(bytes.data(), bytes.size()));
+  const BlockRef r = a->allocate(KvCodec::f16(), KvCodec::f16(), 0);
+  std::memset(a->tile(r, 1, 2, 3), 0x5a, 16);
+  auto b = KvPool::attach(std::make_unique<BorrowedArena>(bytes.data(), bytes.size()));
+  EXPECT_EQ(b->shape().n_layers, 5);
+  EXPECT_EQ(b->counters().blocks_used, 1u);
+  EXPECT_EQ(b->tile(r, 1, 2, 3), a->tile(r, 1, 2, 3));
+  EXPECT_TRUE(b->try_retain(r));
+  b->release(r);
+  b->release(r);
+  EXPECT_EQ(a->counters().blocks_used, 0u);
+  // A truncated or scribbled arena is refused with a reason.
+  EXPECT_THROW(KvPool::attach(std::make_unique<BorrowedArena>(bytes.data(), 5000)), Error);
+  bytes.data()[0] = std::byte{'X'};
+  EXPECT_THROW(KvPool::attach(std::make_unique<BorrowedArena>(bytes.data(), bytes.size())), Error);
+}
+
+TEST(KvPool, BadGeometryIsRejected) {
+  EXPECT_THROW(make_pool(1 << 20, 24), Error);  // not a power of two
+  EXPECT_THROW(make_pool(4096), Error);         // no room for a page
+  EXPECT_THROW(KvPool::create(PoolConfig{KvShape{1, 2, 2, 12}, 32, 1 << 20}), Error);
+}
+
+}  // namespace
+}  // namespace qkvshare

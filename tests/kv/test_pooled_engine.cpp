@@ -1,0 +1,132 @@
+// The pool under the real forward pass (stories260K).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/engine/engine.hpp"
+#include "qkvshare/kernels/isa.hpp"
+#include "qkvshare/kv/pooled_kv_cache.hpp"
+#include "kv_test_util.hpp"
+#include "test_paths.hpp"
+
+namespace qkvshare {
+namespace {
+
+class PooledEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = Model::load(testing::shared_path("models/stories260K.bin"), testing::shared_path("models/tok512.bin"));
+    ids_ = {model_->tokenizer().bos_id()};
+    const auto body = model_->tokenizer().encode(
+        "Once upon a time there was a little dog named Max. Max liked to run in the park with his friend, a "
+        "small cat. One day they found a big red ball under a tree and played with it until the sun went down. "
+        "Then they went home and slept.");
+    ids_.insert(ids_.end(), body.begin(), body.end());
+  }
+  std::unique_ptr<Session> pooled_session(Engine& engine, const std::string& format, int capacity = 512) {
+    if (!pool_) pool_ = KvPool::create(PoolConfig{engine.kv_shape(), 32, 64 << 20});
+    return std::make_unique<Session>(std::make_unique<PooledKvCache>(pool_, KvFormat::parse(format), capacity));
+  }
+  std::vector<float> all_logits(Engine& engine, Session& s) {
+    const auto l = engine.forward(s, ids_, true);
+    return {l.begin(), l.end()};
+  }
+  std::unique_ptr<Model> model_;
+  std::vector<TokenId> ids_;
+  std::shared_ptr<KvPool> pool_;
+};
+
+// The pool's f32 path replays the reference attention (kernels::
+// attend_head_f32_ref: dot_f32, softmax, axpy) over its blocks, so with the
+// portable kernels the logits are the dense engine's bits. The SIMD ISAs
+// compute one head's attention in a single kernel over contiguous keys, which
+// blocks cannot call, so there the two agree to float rounding.
+void expect_same_logits(const std::vector<float>& want, std::span<const float> got, bool bitwise, const char* what) {
+  ASSERT_EQ(want.size(), got.size());
+  if (bitwise) {
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << what;
+    return;
+  }
+  float worst = 0.0f;
+  for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(want[i] - got[i]));
+  EXPECT_LE(worst, 2e-5f) << what;
+}
+
+TEST_F(PooledEngineTest, F32PoolLogitsMatchTheDenseEngine) {
+  testing::IsaGuard guard;
+  for (const kernels::Isa isa : {kernels::Isa::portable, kernels::best_isa()}) {
+    kernels::set_active_isa(isa);
+    const bool bitwise = isa == kernels::Isa::portable;
+    for (int batch : {256, 7}) {
+      Engine engine(*model_, EngineOptions{2, batch});
+      auto dense = engine.new_session();
+      const auto want = all_logits(engine, *dense);
+      auto pooled = pooled_session(engine, "f32");
+      expect_same_logits(want, engine.forward(*pooled, ids_, true), bitwise, "prefill");
+      // Decoding on, token by token.
+      for (TokenId t : {5, 77, 300}) {
+        const std::vector<TokenId> one{t};
+        const auto a = engine.forward(*dense, one);
+        const std::vector<float> av(a.begin(), a.end());
+        expect_same_logits(av, engine.forward(*pooled, one), bitwise, "decode");
+      }
+    }
+  }
+  EXPECT_EQ(pool_->counters().blocks_used, 0u);  // the sessions are gone
+}
+
+TEST_F(PooledEngineTest, QuantizedFormatsTrackF32) {
+  Engine engine(*model_, EngineOptions{2});
+  auto ref_session = pooled_session(engine, "f32");
+  const auto ref = all_logits(engine, *ref_session);
+  const std::size_t vocab = static_cast<std::size_t>(model_->config().vocab_size);
+  const auto top1 = [&](const std::vector<float>& l, std::size_t t) {
+    return std::max_element(l.begin() + static_cast<long>(t * vocab), l.begin() + static_cast<long>((t + 1) * vocab)) - l.begin();
+  };
+  for (const char* f : {"f16", "int8", "int4", "k8v4", "int2:window=32:sink=4"}) {
+    auto s = pooled_session(engine, f);
+    const auto got = all_logits(engine, *s);
+    std::size_t agree = 0;
+    float worst = 0.0f;
+    for (std::size_t t = 0; t < ids_.size(); ++t) {
+      agree += top1(ref, t) == top1(got, t);
+      for (std::size_t i = 0; i < vocab; ++i) worst = std::max(worst, std::abs(ref[t * vocab + i] - got[t * vocab + i]));
+    }
+    const double rate = static_cast<double>(agree) / static_cast<double>(ids_.size());
+    EXPECT_GE(rate, std::string(f) == "f16" || std::string(f) == "int8" ? 0.98 : 0.8) << f;
+    if (std::string(f) == "f16") {
+      EXPECT_LT(worst, 0.05f);
+    }
+    EXPECT_TRUE(std::isfinite(worst)) << f;
+  }
+}
+
+TEST_F(PooledEngineTest, OutOfMemoryFailsTheForwardAndTheSessionCarriesOn) {
+  Engine engine(*model_, EngineOptions{1});
+  const KvFormat f = KvFormat::parse("int4");
+  pool_ = KvPool::create(PoolConfig{engine.kv_shape(), 32, KvPool::arena_bytes_for(engine.kv_shape(), 32, f, 96)});
+  auto hog = pooled_session(engine, "int4");
+  engine.forward(*hog, std::vector<TokenId>(80, 42));
+  auto s = pooled_session(engine, "int4");
+  engine.forward(*s, std::span<const TokenId>(ids_.data(), 5));
+  try {
+    engine.forward(*s, std::vector<TokenId>(200, 7));
+    FAIL() << "expected out_of_memory";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::out_of_memory) << e.what();
+  }
+  EXPECT_EQ(s->n_past(), 5);
+  EXPECT_EQ(s->cache().size(), 5);
+  hog.reset();  // room again: the same session continues and matches a fresh run
+  const auto got = engine.forward(*s, std::span<const TokenId>(ids_.data() + 5, 20));
+  const std::vector<float> gv(got.begin(), got.end());
+  auto fresh = pooled_session(engine, "int4");
+  engine.forward(*fresh, std::span<const TokenId>(ids_.data(), 5));
+  const auto want = engine.forward(*fresh, std::span<const TokenId>(ids_.data() + 5, 20));
+  EXPECT_EQ(0, std::memcmp(gv.data(), want.data(), gv.size() * sizeof(float)));
+}
+
+}  // namespace
+}  // namespace qkvshare

@@ -1,0 +1,201 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "kv_test_util.hpp"
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/dense_kv_cache.hpp"
+#include "qkvshare/kv/kv_kernels.hpp"
+#include "qkvshare/kv/pooled_kv_cache.hpp"
+
+namespace qkvshare {
+namespace {
+
+using testing::random_pass;
+using testing::run_pass;
+
+const char* const kAllFormats[] = {"f32", "f16", "int8", "int8:kaxis=token", "k8v4", "int4", "int3", "int2",
+                                   "int2:window=20:sink=3", "int4:rot=kv", "int3:rot=k", "k4v2:vgroup=8",
+                                   "int4:kaxis=token:kgroup=8:window=9"};
+
+float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  float m = 0.0f;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+double rel_rms(const std::vector<float>& a, const std::vector<float>& ref) {
+  double e = 0.0, r = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    e += (a[i] - ref[i]) * (a[i] - ref[i]);
+    r += ref[i] * ref[i];
+  }
+  return std::sqrt(e / r);
+}
+
+struct Geometry {
+  KvShape shape;
+  int block_tokens;
+};
+
+// SIMD attention against the scalar reference, every format, with pass sizes
+// that straddle blocks, query chunks (16) and decode partitions (16 blocks).
+TEST(PooledKvCache, SimdAttentionMatchesScalarOnEveryFormat) {
+  if (!kv::simd_supported()) GTEST_SKIP() << "no AVX2/FMA/F16C";
+  ThreadPool threads(2);
+  const Geometry geos[] = {{{2, 6, 3, 16}, 8}, {{1, 4, 4, 8}, 32}, {{1, 9, 3, 64}, 16}};
+  const int sizes[] = {1, 7, 33, 1, 1, 50, 3, 1, 90, 1, 1};
+  for (const Geometry& g : geos)
+    for (const char* text : kAllFormats) {
+      const KvFormat f = KvFormat::parse(text);
+      auto pool = KvPool::create(PoolConfig{g.shape, g.block_tokens, KvPool::arena_bytes_for(g.shape, g.block_tokens, f, 256, 2)});
+      PooledKvCache scalar(pool, f, 256), simd(pool, f, 256);
+      scalar.set_attend_path(AttendPath::scalar);
+      simd.set_attend_path(AttendPath::simd);
+      DenseKvCache dense(g.shape, 256);
+      unsigned seed = 1;
+      for (int n : sizes) {
+        const auto pass = random_pass(g.shape, n, seed++);
+        const auto a = run_pass(scalar, pass, n, threads);
+        const auto b = run_pass(simd, pass, n, threads);
+        const auto r = run_pass(dense, pass, n, threads);
+        ASSERT_LE(max_abs_diff(a, b), 2e-5f) << text << " n=" << n << " size=" << scalar.size();
+        // And the format approximates f32 attention to its own precision (relative RMS error).
+        // (2 and 3 bits are too coarse for random rows; the eval measures them on real models.)
+        const int bits = std::min(f.k.bits(), f.v.bits());
+        const double tol = bits >= 16 ? 3e-3 : bits >= 8 ? 0.05 : bits >= 4 ? 0.5 : 10.0;
+        ASSERT_LE(rel_rms(a, r), tol) << text << " n=" << n;
+      }
+      EXPECT_EQ(scalar.size(), simd.size());
+    }
+}
+
+TEST(PooledKvCache, F32PoolIsBitIdenticalToDenseCache) {
+  testing::IsaGuard guard;  // the dense cache's reference kernels (see test_pooled_engine.cpp)
+  kernels::set_active_isa(kernels::Isa::portable);
+  ThreadPool threads(2);
+  const KvShape s{3, 8, 4, 8};
+  auto pool = KvPool::create(PoolConfig{s, 16, 1 << 22});
+  PooledKvCache pooled(pool, KvFormat::parse("f32"), 300);
+  DenseKvCache dense(s, 300);
+  unsigned seed = 9;
+  for (int n : {5, 16, 40, 1, 1, 17}) {
+    const auto pass = random_pass(s, n, seed++);
+    const auto a = run_pass(pooled, pass, n, threads);
+    const auto b = run_pass(dense, pass, n, threads);
+    ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "n=" << n;
+  }
+}
+
+TEST(PooledKvCache, QuantizesOnWriteAndKeepsHotBlocksF16) {
+  ThreadPool threads(1);
+  const KvShape s{1, 4, 4, 8};
+  const KvFormat f = KvFormat::parse("int4:window=40:sink=1");
+  auto pool = KvPool::create(PoolConfig{s, 32, 1 << 20});
+  PooledKvCache cache(pool, f, 512);
+  run_pass(cache, random_pass(s, 200, 1), 200, threads);
+  ASSERT_EQ(cache.segments().size(), 1u);
+  const auto& blocks = cache.segments()[0].blocks;
+  ASSERT_EQ(blocks.size(), 7u);
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    const BlockInfo info = pool->info(blocks[b]);
+    const bool hot = b == 0 || b >= 5;  // sink; the last 40 tokens (160..199)
+    EXPECT_EQ(info.k, hot ? KvCodec::f16() : f.k) << b;
+    EXPECT_EQ(info.v, hot ? KvCodec::f16() : f.v) << b;
+    EXPECT_EQ(info.fill, b == 6 ? 8u : 32u);
+  }
+  // 40 more tokens: block 5 leaves the window and is requantized.
+  run_pass(cache, random_pass(s, 40, 2), 40, threads);
+  EXPECT_EQ(pool->info(cache.segments()[0].blocks[5]).k, f.k);
+  EXPECT_EQ(pool->info(cache.segments()[0].blocks[6]).k, KvCodec::f16());
+  EXPECT_EQ(pool->counters().blocks_used, 8u);  // nothing left over from the conversion
+}
+
+TEST(PooledKvCache, ThousandsOfContextsLeakNothing) {
+  ThreadPool threads(1);
+  const KvShape s{2, 4, 2, 8};
+  auto pool = KvPool::create(PoolConfig{s, 8, 8 << 20});
+  const PoolCounters start = pool->counters();
+  std::mt19937 rng(3);
+  std::vector<std::unique_ptr<PooledKvCache>> live;
+  const char* formats[] = {"f16", "int4", "int2:window=8", "f32", "k8v2:sink=4"};
+  for (int i = 0; i < 3000; ++i) {
+    if (live.size() > 12 || (rng() % 3 == 0 && !live.empty())) {
+      live.erase(live.begin() + static_cast<long>(rng() % live.size()));
+      continue;
+    }
+    if (rng() % 4 == 0 && !live.empty()) {
+      live.push_back(live[rng() % live.size()]->fork());
+    } else {
+      live.push_back(std::make_unique<PooledKvCache>(pool, KvFormat::parse(formats[rng() % 5]), 128));
+    }
+    PooledKvCache& c = *live.back();
+    const int n = 1 + static_cast<int>(rng() % 20);
+    if (c.size() + n <= c.capacity()) run_pass(c, random_pass(s, n, static_cast<unsigned>(i)), n, threads);
+  }
+  live.clear();
+  const PoolCounters end = pool->counters();
+  EXPECT_EQ(end.blocks_used, 0u);
+  EXPECT_EQ(end.pages_free, start.pages_free);
+  EXPECT_EQ(end.allocations, end.frees);
+  EXPECT_GT(end.allocations, 1000u);
+}
+
+TEST(PooledKvCache, ForkSharesBlocksAndCopiesTheTailOnWrite) {
+  ThreadPool threads(1);
+  const KvShape s{2, 4, 2, 8};
+  auto pool = KvPool::create(PoolConfig{s, 8, 1 << 20});
+  PooledKvCache a(pool, KvFormat::parse("int4"), 128);
+  run_pass(a, random_pass(s, 21, 1), 21, threads);  // blocks 0, 1 full; 2 holds 5 tokens
+  const auto blocks_before = a.segments()[0].blocks;
+  auto b = a.fork();
+  EXPECT_EQ(pool->info(blocks_before[0]).refcount, 2u);
+  EXPECT_EQ(pool->counters().blocks_used, 3u);  // nothing copied by the fork itself
+  // Both continue with different tokens; each must see its own continuation only.
+  const auto pa = random_pass(s, 2, 50), pb = random_pass(s, 2, 60);
+  const auto out_a = run_pass(a, pa, 2, threads);
+  const auto out_b = run_pass(*b, pb, 2, threads);
+  EXPECT_EQ(pool->counters().blocks_used, 4u);  // one copied tail
+  EXPECT_EQ(a.segments()[0].blocks[0], b->segments()[0].blocks[0]);
+  EXPECT_NE(a.segments()[0].blocks[2], b->segments()[0].blocks[2]);
+  // Reference: the same history without any fork.
+  PooledKvCache ref(pool, KvFormat::parse("int4"), 128);
+  run_pass(ref, random_pass(s, 21, 1), 21, threads);
+  EXPECT_EQ(run_pass(ref, pb, 2, threads), out_b);
+  b.reset();
+  EXPECT_EQ(pool->info(a.segments()[0].blocks[0]).refcount, 1u);  // b's references are gone
+}
+
+TEST(PooledKvCache, ExhaustionFailsTheRequestAndKeepsOtherContexts) {
+  ThreadPool threads(1);
+  const KvShape s{2, 4, 2, 8};
+  const KvFormat f = KvFormat::parse("int4");
+  auto pool = KvPool::create(PoolConfig{s, 8, KvPool::arena_bytes_for(s, 8, f, 64)});
+  PooledKvCache a(pool, f, 1000), b(pool, f, 1000);
+  const auto history = random_pass(s, 40, 1);
+  run_pass(a, history, 40, threads);
+  const PoolCounters before = pool->counters();
+  try {
+    run_pass(b, random_pass(s, 600, 2), 600, threads);
+    FAIL() << "expected out_of_memory";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::out_of_memory);
+    EXPECT_NE(std::string(e.what()).find("KV pool exhausted"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(b.size(), 0);
+  EXPECT_EQ(pool->counters().pages_free, before.pages_free);
+  // a is intact: continuing it matches a context that never saw the failure.
+  const auto next = random_pass(s, 3, 3);
+  const auto out = run_pass(a, next, 3, threads);
+  auto other = KvPool::create(PoolConfig{s, 8, 1 << 20});
+  PooledKvCache ref(other, f, 1000);
+  run_pass(ref, history, 40, threads);
+  EXPECT_EQ(run_pass(ref, next, 3, threads), out);
+  // b still works for a request that fits.
+  run_pass(b, random_pass(s, 9, 4), 9, threads);
+  EXPECT_EQ(b.size(), 9);
+}
+
+}  // namespace
+}  // namespace qkvshare

@@ -1,0 +1,277 @@
+// Handoff within one process on stories260K: exact continuation, zero copy,
+// fork, lifetime (release, revoke, stale descriptors) and the text fallback.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "qkvshare/core/error.hpp"
+#include "share_test_util.hpp"
+
+namespace qkvshare {
+namespace {
+
+using testing::load_stories;
+
+class Handoff : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = load_stories();
+    fp_ = model_fingerprint(*model_);
+    engine_ = std::make_unique<Engine>(*model_, EngineOptions{1});
+    pool_ = SharePool::create_anonymous(testing::small_config());
+    const Tokenizer& tok = model_->tokenizer();
+    prompt_ = {tok.bos_id()};
+    const auto body = tok.encode("Once upon a time there was a little dog named Max. He liked to run in the park");
+    prompt_.insert(prompt_.end(), body.begin(), body.end());
+    more_ = tok.encode(" with his friend, a small cat. One day");
+  }
+
+  std::unique_ptr<Session> produce(const std::string& format) {
+    auto s = new_pooled_session(*pool_, *engine_, KvFormat::parse(format), 512);
+    engine_->forward(*s, prompt_);
+    return s;
+  }
+  std::vector<float> continue_with(Session& s, const std::vector<TokenId>& ids) {
+    const auto l = engine_->forward(s, ids, true);
+    std::vector<float> out(l.begin(), l.end());
+    for (TokenId t : {7, 99}) {  // then decode token by token
+      const auto d = engine_->forward(s, std::vector<TokenId>{t});
+      out.insert(out.end(), d.begin(), d.end());
+    }
+    return out;
+  }
+  // The producer continuing itself: a fork of its own cache.
+  std::unique_ptr<Session> producer_fork(const Session& s) {
+    auto* c = dynamic_cast<const PooledKvCache*>(&s.cache());
+    return std::make_unique<Session>(c->fork(), s.tokens());
+  }
+  std::uint32_t blocks_used() { return pool_->kv_pool_if_any()->counters().blocks_used; }
+
+  std::unique_ptr<Model> model_;
+  ModelFingerprint fp_;
+  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<SharePool> pool_;
+  std::vector<TokenId> prompt_, more_;
+};
+
+TEST_F(Handoff, ContinuingIsIdenticalToTheProducerContinuingForEveryFormat) {
+  for (const char* format : {"f32", "f16", "int8", "int4", "k8v4", "int2:window=32:sink=4", "int4:rot=kv"}) {
+    auto producer = produce(format);
+    const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+    const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
+    pool_->release(sealed);
+    HandoffResult r = open_session(*pool_, *engine_, fp_, d, "B", {HandoffMode::kv});
+    ASSERT_TRUE(r.kv) << format;
+    EXPECT_EQ(r.session->tokens(), producer->tokens());
+    EXPECT_EQ(r.session->cache().size(), producer->cache().size());
+    auto reference = producer_fork(*producer);
+    const auto want = continue_with(*reference, more_);
+    const auto got = continue_with(*r.session, more_);
+    ASSERT_EQ(want.size(), got.size());
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << format;
+    pool_->release(d, "B");
+  }
+  EXPECT_EQ(pool_->stats().contexts, 0);
+}
+
+TEST_F(Handoff, ContextOutlivesItsProducerAndMatchesAFreshRun) {
+  auto producer = produce("f32");
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+  const Descriptor d = pool_->grant(sealed, "A", "B");
+  producer.reset();
+  pool_->release(sealed);  // the grant alone keeps the context
+  auto r = open_session(*pool_, *engine_, fp_, d, "B");
+  ASSERT_TRUE(r.kv);
+  auto fresh = produce("f32");
+  const auto want = continue_with(*fresh, more_);
+  const auto got = continue_with(*r.session, more_);
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+}
+
+TEST_F(Handoff, OpenCopiesNoKvAndForkCopiesOnlyTheTail) {
+  auto producer = produce("int8");
+  ASSERT_NE(producer->cache().size() % 32, 0);  // a partly filled tail to share
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+  std::vector<Descriptor> ds;
+  for (const char* who : {"B", "C", "D"}) ds.push_back(pool_->grant(sealed, "A", who));
+  const auto kv = pool_->kv_pool_if_any();
+  const std::uint64_t before = kv->counters().allocations;
+  std::vector<HandoffResult> consumers;
+  for (std::size_t i = 0; i < ds.size(); ++i) consumers.push_back(open_session(*pool_, *engine_, fp_, ds[i], ds[i].grantee));
+  EXPECT_EQ(kv->counters().allocations, before);  // zero KV bytes copied on open
+  int branch = 0;
+  for (auto& c : consumers) {
+    ASSERT_TRUE(c.kv);
+    const std::uint64_t a0 = kv->counters().allocations;
+    auto reference = producer_fork(*producer);
+    const std::vector<TokenId> next{static_cast<TokenId>(10 + branch++)};
+    const auto want = engine_->forward(*reference, next);
+    const std::vector<float> w(want.begin(), want.end());
+    const std::uint64_t a1 = kv->counters().allocations;
+    const auto got = engine_->forward(*c.session, next);
+    EXPECT_EQ(kv->counters().allocations - a1, 1u);  // the shared tail, copied on write
+    EXPECT_EQ(a1 - a0, 1u);
+    EXPECT_EQ(0, std::memcmp(w.data(), got.data(), w.size() * sizeof(float)));
+  }
+}
+
+TEST_F(Handoff, ReleasedAndRevokedDescriptorsAreStaleForever) {
+  const std::uint32_t start = pool_->kv_pool(engine_->kv_shape())->counters().blocks_used;
+  auto producer = produce("int4");
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+  const Descriptor b = pool_->grant(sealed, "A", "B");
+  const Descriptor c = pool_->grant(sealed, "A", "C");
+  pool_->release(sealed);
+  auto opened = open_session(*pool_, *engine_, fp_, b, "B");
+  pool_->release(b, "B");
+  const auto expect_stale = [&](const Descriptor& d, const char* who) {
+    try {
+      open_session(*pool_, *engine_, fp_, d, who);
+      ADD_FAILURE() << "opened a stale descriptor";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::bad_descriptor);
+      EXPECT_NE(std::string(e.what()).find("stale"), std::string::npos) << e.what();
+    }
+  };
+  expect_stale(b, "B");
+  EXPECT_NO_THROW(open_session(*pool_, *engine_, fp_, c, "C"));  // C's grant is its own
+  pool_->revoke(c, "A");
+  expect_stale(c, "C");
+  // The session B opened keeps its blocks and carries on.
+  EXPECT_NO_THROW(engine_->forward(*opened.session, more_));
+  // Reusing the record slot does not revive old descriptors.
+  auto again = produce("int4");
+  const SealedContext s2 = seal_session(*pool_, *engine_, fp_, *again, "A");
+  EXPECT_EQ(s2.slot, sealed.slot);
+  EXPECT_NE(s2.generation, sealed.generation);
+  expect_stale(b, "B");
+  pool_->release(s2);
+  EXPECT_THROW(pool_->release(s2), Error);
+  opened.session.reset();
+  producer.reset();
+  again.reset();
+  EXPECT_EQ(blocks_used(), start);
+}
+
+TEST_F(Handoff, RejectsWrongGranteeForgeryAndOtherPools) {
+  auto producer = produce("f16");
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+  const Descriptor d = pool_->grant(sealed, "A", "B");
+  const auto expect_bad = [&](const Descriptor& x, const char* who, const char* what) {
+    try {
+      pool_->open(x, who, true, 512);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::bad_descriptor);
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  expect_bad(d, "C", "granted to 'B', not to 'C'");
+  Descriptor forged = d;
+  forged.grantee = "C";  // re-encoding fixes the self checksum, not the MAC
+  expect_bad(Descriptor::decode(forged.encode()), "C", "capability tag does not verify");
+  forged = d;
+  forged.token_count = d.token_count - 1;
+  forged.position_end = forged.token_count;
+  expect_bad(forged, "B", "capability tag");
+  forged = d;
+  forged.record_generation += 1;
+  expect_bad(forged, "B", "capability tag");
+  auto other = SharePool::create_anonymous(testing::small_config());
+  try {
+    other->open(d, "B", false, 512);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("belongs to pool"), std::string::npos) << e.what();
+  }
+  EXPECT_GE(pool_->stats().counters.rejected, 4u);
+}
+
+TEST_F(Handoff, FallsBackToTextAndSaysWhy) {
+  auto producer = produce("f32");
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+  const Descriptor d = pool_->grant(sealed, "A", "B");
+  // Another model (a fingerprint that differs): automatic -> text.
+  ModelFingerprint other = fp_;
+  other.model[3] ^= 1;
+  auto r = open_session(*pool_, *engine_, other, d, "B");
+  EXPECT_FALSE(r.kv);
+  EXPECT_EQ(r.fallback, FallbackReason::model);
+  EXPECT_EQ(r.prefill_tokens, static_cast<int>(prompt_.size()));
+  EXPECT_EQ(r.session->tokens(), producer->tokens());
+  // ... and, with the same weights really, the same state as the KV handoff.
+  auto kv = open_session(*pool_, *engine_, fp_, d, "B");
+  const auto a = continue_with(*r.session, more_);
+  const auto b = continue_with(*kv.session, more_);
+  float worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  EXPECT_LT(worst, 1e-3f);
+  // KV required: a clear error instead.
+  try {
+    open_session(*pool_, *engine_, other, d, "B", {HandoffMode::kv});
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::bad_descriptor);
+    EXPECT_NE(std::string(e.what()).find("model fingerprint differs"), std::string::npos) << e.what();
+  }
+  // Asked for text.
+  auto t = open_session(*pool_, *engine_, fp_, d, "B", {HandoffMode::text});
+  EXPECT_FALSE(t.kv);
+  EXPECT_EQ(t.fallback, FallbackReason::requested);
+  // A different tokenizer: the stored text is re-encoded.
+  other.tokenizer ^= 1;
+  auto x = open_session(*pool_, *engine_, other, d, "B");
+  EXPECT_FALSE(x.kv);
+  EXPECT_EQ(x.session->tokens(), producer->tokens());  // same text, same tokenizer really
+  const ShareCounters c = pool_->stats().counters;
+  EXPECT_EQ(c.fallback_model, 2u);
+  EXPECT_EQ(c.text_requested, 1u);
+  EXPECT_EQ(c.opens_text, 3u);
+}
+
+TEST_F(Handoff, CorruptedBlocksAreCaughtByVerifyAndFallBack) {
+  auto producer = produce("int8");
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+  const Descriptor d = pool_->grant(sealed, "A", "B");
+  EXPECT_TRUE(pool_->check(d, true).blocks_verified);
+  auto* cache = dynamic_cast<PooledKvCache*>(&producer->cache());
+  const auto kv = pool_->kv_pool_if_any();
+  std::byte* tile = kv->tile(cache->segments()[0].blocks[0], 1, 2, 1);
+  tile[3] ^= std::byte{0x40};
+  const DescriptorStatus st = pool_->check(d, true);
+  EXPECT_FALSE(st.blocks_verified);
+  EXPECT_NE(st.problem.find("checksum"), std::string::npos) << st.problem;
+  HandoffOptions verify;
+  verify.verify = true;
+  auto r = open_session(*pool_, *engine_, fp_, d, "B", verify);
+  EXPECT_FALSE(r.kv);
+  EXPECT_EQ(r.fallback, FallbackReason::checksum);
+  EXPECT_EQ(pool_->stats().counters.fallback_checksum, 1u);
+  // Without verify, open trusts the O(1) checks.
+  EXPECT_TRUE(open_session(*pool_, *engine_, fp_, d, "B").kv);
+}
+
+TEST_F(Handoff, SealingAgainHashesOnlyNewBlocksAndKeepsTheirChecksums) {
+  auto s = produce("int4");
+  const SealedContext a = seal_session(*pool_, *engine_, fp_, *s, "A");
+  engine_->forward(*s, more_);
+  const SealedContext b = seal_session(*pool_, *engine_, fp_, *s, "A");
+  const Descriptor db = pool_->grant(b, "A", "B");
+  EXPECT_TRUE(pool_->check(db, true).blocks_verified);
+  const Descriptor da = pool_->grant(a, "A", "B");
+  EXPECT_TRUE(pool_->check(da, true).blocks_verified);
+  EXPECT_NE(da.blocks_checksum, db.blocks_checksum);
+}
+
+TEST_F(Handoff, SealValidatesItsInputs) {
+  auto dense = engine_->new_session(64);
+  engine_->forward(*dense, prompt_);
+  EXPECT_THROW(seal_session(*pool_, *engine_, fp_, *dense, "A"), Error);
+  auto s = produce("f16");
+  EXPECT_THROW(seal_session(*pool_, *engine_, fp_, *s, "bad id"), Error);
+  auto foreign = SharePool::create_anonymous(testing::small_config());
+  EXPECT_THROW(seal_session(*foreign, *engine_, fp_, *s, "A"), Error);
+}
+
+}  // namespace
+}  // namespace qkvshare

@@ -1,0 +1,182 @@
+// Across processes (fork without exec, each child attaching the named pool
+// like an independent program would): handoff, a producer killed with
+// SIGKILL while holding references, and 10,000 random operations.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/engine/generate.hpp"
+#include "share_test_util.hpp"
+
+namespace qkvshare {
+namespace {
+
+using testing::PoolName;
+using testing::spawn;
+using testing::wait_exit;
+
+std::vector<TokenId> read_ids(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<TokenId> ids;
+  for (TokenId t; in >> t;) ids.push_back(t);
+  return ids;
+}
+void write_ids(const std::string& path, const std::vector<TokenId>& ids) {
+  std::ofstream out(path);
+  for (TokenId t : ids) out << t << ' ';
+}
+
+GenerateOptions greedy(int n) {
+  GenerateOptions o;
+  o.max_new_tokens = n;
+  o.sampling.temperature = 0;
+  o.stop_at_end_of_generation = false;
+  return o;
+}
+
+// Producer: prompt, generate, feed the last token, seal and grant to B.
+Descriptor produce(SharePool& pool, Engine& engine, const ModelFingerprint& fp, const std::string& format,
+                   std::unique_ptr<Session>& session) {
+  const Tokenizer& tok = engine.model().tokenizer();
+  std::vector<TokenId> prompt{tok.bos_id()};
+  const auto body = tok.encode("Lily had a red ball");
+  prompt.insert(prompt.end(), body.begin(), body.end());
+  session = new_pooled_session(pool, engine, KvFormat::parse(format), 512);
+  const GenerateResult r = generate(engine, *session, prompt, greedy(12));
+  engine.forward(*session, std::vector<TokenId>{r.tokens.back()});
+  const SealedContext sealed = seal_session(pool, engine, fp, *session, "A");
+  const Descriptor d = pool.grant(sealed, "A", "B");
+  pool.release(sealed);
+  return d;
+}
+
+// Consumer: open, continue with more text, return the generated ids.
+std::vector<TokenId> consume(SharePool& pool, Engine& engine, const ModelFingerprint& fp, const Descriptor& d) {
+  HandoffResult h = open_session(pool, engine, fp, d, "B", {HandoffMode::kv});
+  const auto more = engine.model().tokenizer().encode(" and a big dog");
+  return generate(engine, *h.session, more, greedy(12)).tokens;
+}
+
+TEST(ShareProcess, TwoProcessHandoffMatchesOneProcess) {
+  auto model = testing::load_stories();
+  const ModelFingerprint fp = model_fingerprint(*model);
+  for (const char* format : {"f32", "k8v4"}) {
+    std::vector<TokenId> want;
+    {
+      auto pool = SharePool::create_anonymous(testing::small_config());
+      Engine engine(*model, EngineOptions{1});
+      std::unique_ptr<Session> s;
+      const Descriptor d = produce(*pool, engine, fp, format, s);
+      want = consume(*pool, engine, fp, d);
+    }
+    PoolName name("twoproc");
+    auto pool = SharePool::create(name.name, testing::small_config());
+    const std::string dir = testing::temp_dir();
+    const pid_t a = spawn([&] {
+      auto p = SharePool::attach(name.name);
+      Engine engine(*model, EngineOptions{1});
+      std::unique_ptr<Session> s;
+      write_descriptor_file(dir + "/a.desc", produce(*p, engine, fp, format, s));
+      return 0;
+    });
+    ASSERT_EQ(wait_exit(a), 0);
+    const pid_t b = spawn([&] {
+      auto p = SharePool::attach(name.name);
+      Engine engine(*model, EngineOptions{1});
+      const Descriptor d = read_descriptor_file(dir + "/a.desc");
+      write_ids(dir + "/b.ids", consume(*p, engine, fp, d));
+      p->release(d, "B");
+      return 0;
+    });
+    ASSERT_EQ(wait_exit(b), 0);
+    EXPECT_EQ(read_ids(dir + "/b.ids"), want) << format;
+    const ShareStats st = pool->stats();
+    EXPECT_EQ(st.kv.blocks_used, 0u) << format;
+    EXPECT_EQ(st.contexts, 0);
+    EXPECT_EQ(st.processes, 1);  // only this one is left
+  }
+}
+
+// Waits until `fd` gives one byte (a child saying "ready").
+void wait_ready(int fd) {
+  char c = 0;
+  ASSERT_EQ(::read(fd, &c, 1), 1);
+}
+
+TEST(ShareProcess, KilledProducerIsReclaimedAndOtherContextsStayIntact) {
+  auto model = testing::load_stories();
+  const ModelFingerprint fp = model_fingerprint(*model);
+  PoolName name("crash");
+  auto pool = SharePool::create(name.name, testing::small_config());
+  Engine engine(*model, EngineOptions{1});
+  const auto kv = pool->kv_pool(engine.kv_shape());
+  const std::uint32_t free_start = kv->counters().blocks_free;
+
+  // B (this process) has its own context before A starts.
+  std::unique_ptr<Session> mine;
+  const Descriptor own = produce(*pool, engine, fp, "int8", mine);
+  auto b_session = std::make_unique<Session>(dynamic_cast<PooledKvCache&>(mine->cache()).fork(), mine->tokens());
+  const std::uint32_t free_with_b = kv->counters().blocks_free;
+
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const std::string dir = testing::temp_dir();
+  const pid_t a = spawn([&] {
+    auto p = SharePool::attach(name.name);
+    Engine e(*model, EngineOptions{1});
+    // Holds: its own sessions, a sealed context (producer's claim), and B's
+    // context opened (references on B's blocks).
+    std::unique_ptr<Session> s1, s2;
+    write_descriptor_file(dir + "/a.desc", produce(*p, e, fp, "int4", s1));
+    const SealedContext claim = seal_session(*p, e, fp, *s1, "A");
+    (void)claim;
+    HandoffResult opened = open_session(*p, e, fp, own, "B");
+    e.forward(*opened.session, std::vector<TokenId>{5, 6, 7});
+    s2 = new_pooled_session(*p, e, KvFormat::parse("f16"), 512);
+    e.forward(*s2, std::vector<TokenId>(40, 9));
+    const char c = 'r';
+    if (::write(ready[1], &c, 1) != 1) return 2;
+    for (;;) ::pause();  // killed here
+  });
+  wait_ready(ready[0]);
+  EXPECT_LT(kv->counters().blocks_free, free_with_b);
+  ASSERT_EQ(::kill(a, SIGKILL), 0);
+  // Reaped even before the zombie is waited for: a zombie holds nothing.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(pool->reap(), 1);
+  EXPECT_EQ(wait_exit(a), 128 + SIGKILL);
+  // A's grant to B (from produce) is a descriptor in flight, not A's: it stays
+  // until B releases it; everything A held itself is back.
+  ShareStats st = pool->stats();
+  EXPECT_EQ(st.processes, 1);
+  EXPECT_GE(st.counters.references_reaped, 1u);
+  EXPECT_EQ(st.contexts, 2);  // B's own context and the one A granted to B
+  // B's context is intact: continuing gives what it gave before A existed.
+  auto again = open_session(*pool, engine, fp, own, "B", {HandoffMode::kv, true});
+  ASSERT_TRUE(again.kv);
+  const auto x = engine.forward(*again.session, std::vector<TokenId>{11});
+  const std::vector<float> xv(x.begin(), x.end());
+  const auto y = engine.forward(*b_session, std::vector<TokenId>{11});
+  EXPECT_EQ(0, std::memcmp(xv.data(), y.data(), xv.size() * sizeof(float)));
+  // Release everything: the pool is back to where it started.
+  again.session.reset();
+  b_session.reset();
+  mine.reset();
+  pool->release(own, "B");
+  pool->release(read_descriptor_file(dir + "/a.desc"), "B");
+  ::close(ready[0]);
+  ::close(ready[1]);
+  st = pool->stats();
+  EXPECT_EQ(st.contexts, 0);
+  EXPECT_EQ(st.grants, 0);
+  EXPECT_EQ(kv->counters().blocks_free, free_start);
+}
+
+}  // namespace
+}  // namespace qkvshare
