@@ -6,6 +6,5 @@ cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 scripts/build.sh
 model=$(scripts/fetch_model.sh)
-echo "[quickstart] running: qkvshare generate --chat on $model" >&2
-./build/src/cli/qkvshare generate -m "$model" --chat --temp 0 -n 160 \
-  -p "Explain in three sentences why sharing a KV cache between agents saves time."
+echo "[quickstart] running: qkvshare demo on $model" >&2
+./build/src/cli/qkvshare demo -m "$model"

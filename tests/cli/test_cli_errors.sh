@@ -46,8 +46,16 @@ expect_error "new-tokens" generate -m "$S" -t "$T" -p hi -n -5
 expect_error "subcommand" nosuchcommand
 expect_error "nonexistent" generate -m "$S" -t "$T" -p hi --nonexistent-flag
 
+printf 'agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: a, inputs: [y]}\n  - {id: y, agent: a, inputs: [x]}\n' > "$tmp/cycle.yaml"
+printf 'agents: [\n' > "$tmp/syntax.yaml"
+expect_error "cycle" run "$tmp/cycle.yaml" -m "$S" -t "$T"
+expect_error "syntax.yaml:" run "$tmp/syntax.yaml" -m "$S" -t "$T"
+expect_error "missing.yaml" run "$tmp/missing.yaml" -m "$S" -t "$T"
+expect_error "--mode" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --mode sideways
+expect_error "model not found" demo -m "$tmp/none.gguf"
+
 # --help works on every command.
-for cmd in "" generate tokenize logits; do
+for cmd in "" generate tokenize logits run demo; do
   if ! "$CLI" $cmd --help >/dev/null 2>&1; then echo "FAIL: '$cmd --help' failed"; fails=$((fails+1)); else passes=$((passes+1)); fi
 done
 
