@@ -4,7 +4,7 @@
 // (bytes read, decode work) from the weight matmuls that dominate a real
 // step. Shape defaults to SmolLM2-135M (30 layers, 9 heads, 3 KV heads, 64).
 //
-//   bench_kv [--depth 2048] [--steps 64] [--threads 2] [--formats f16,int8,int4,...] [--path auto|scalar|simd]
+//   bench_kv [--depth 2048] [--steps 64] [--threads 2] [--formats f16,int8,int4,...] [--path auto|scalar|avx2|avx512]
 // Prints a table on stdout and one JSON object per format on stderr.
 #include <time.h>
 
@@ -97,9 +97,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const AttendPath path = path_name == "scalar" ? AttendPath::scalar
-                          : path_name == "simd" ? AttendPath::simd
-                                                : AttendPath::automatic;
+  const AttendPath path = path_name == "scalar"   ? AttendPath::scalar
+                          : path_name == "avx2"   ? AttendPath::avx2
+                          : path_name == "avx512" ? AttendPath::avx512
+                                                  : AttendPath::automatic;
   try {
     ThreadPool threads(n_threads);
     std::printf("attention-only decode step (30 layers, write + attend), depth %d, best of %d, %d threads, path %s\n",

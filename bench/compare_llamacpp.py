@@ -45,6 +45,7 @@ def ensure_time():
     if Path("/usr/bin/time").exists():
         return
     log("installing GNU time (apt-get install time) for peak RSS")
+    run(["apt-get", "update", "-qq"], stdout=subprocess.DEVNULL)
     run(["apt-get", "install", "-y", "-qq", "time"], stdout=subprocess.DEVNULL)
 
 
@@ -84,10 +85,11 @@ def ensure_models(qkv, names):
     return paths
 
 
-def timed(cmd):
+def timed(cmd, env=None):
     """Runs cmd under /usr/bin/time -v; returns (stdout, peak RSS bytes)."""
     log("$ " + " ".join(str(c) for c in cmd))
-    p = subprocess.run(["/usr/bin/time", "-v"] + [str(c) for c in cmd], capture_output=True, text=True)
+    p = subprocess.run(["/usr/bin/time", "-v"] + [str(c) for c in cmd], capture_output=True, text=True,
+                       env=dict(os.environ, **(env or {})))
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-4000:])
         raise RuntimeError(f"{cmd[0]} failed with exit status {p.returncode}")
@@ -106,7 +108,7 @@ def bench_llamacpp(llama_bench, model, a):
     tests, rss, info = [], 0, {}
     runs = [["-p", a.n_prompt, "-n", 0, "-d", 0], ["-p", 0, "-n", a.n_gen, "-d", a.depths]]
     for extra in runs:
-        out, peak = timed([llama_bench] + common + extra)
+        out, peak = timed([llama_bench] + common + extra, a.llama_env)
         rss = max(rss, peak or 0)
         for e in json.loads(out):
             kind = "prefill" if e["n_prompt"] > 0 else "decode"
@@ -117,7 +119,9 @@ def bench_llamacpp(llama_bench, model, a):
     return {"engine": "llama.cpp", "build_commit": info.get("build_commit"), "cpu_info": info.get("cpu_info"),
             "model_size": info.get("model_size"), "n_params": info.get("model_n_params"),
             "threads": info.get("n_threads"), "peak_rss_bytes": rss, "tests": tests,
-            "commands": [" ".join(str(c) for c in [llama_bench] + common + r) for r in runs]}
+            "env": a.llama_env,
+            "commands": [" ".join([f"{k}={v}" for k, v in a.llama_env.items()] + [str(c) for c in [llama_bench] + common + r])
+                         for r in runs]}
 
 
 def bench_qkvshare(qkv, model, a, tmp_json):
@@ -146,12 +150,16 @@ def main():
     p.add_argument("--build-dir", type=Path, default=ROOT / "build-bench")
     p.add_argument("--skip-llamacpp", action="store_true", help="run only qkvshare")
     p.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--omp-wait-policy", choices=["default", "passive"], default="default",
+                   help="llama.cpp's OpenMP threads spin by default, which collapses its speed when other jobs "
+                        "share the cores; 'passive' makes them sleep (use only on a busy machine, and say so)")
     p.add_argument("--update-docs", action="store_true", help="rewrite the results section of docs/benchmarks.md")
     a = p.parse_args()
     if a.quick:
         a.reps, a.n_prompt, a.n_gen, a.depths = 1, 64, 16, "0,256"
         if a.models == ALL_MODELS:
             a.models = ["smollm2-135m-instruct-Q4_1", "smollm2-135m-Q8_0", "smollm2-135m-Q4_0"]
+    a.llama_env = {"OMP_WAIT_POLICY": "passive"} if a.omp_wait_policy == "passive" else {}
     unknown = [m for m in a.models if m not in ALL_MODELS]
     if unknown:
         p.error(f"unknown models {unknown}; known: {ALL_MODELS}")
@@ -171,7 +179,7 @@ def main():
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     result = {"timestamp_utc": stamp, "threads": a.threads, "reps": a.reps, "n_prompt": a.n_prompt, "n_gen": a.n_gen,
               "depths": [int(d) for d in a.depths.split(",")], "quick": a.quick, "machine": limits,
-              "lscpu": lscpu, "load_average_start": os.getloadavg(), "argv": sys.argv, "models": []}
+              "lscpu": lscpu, "llama_env": a.llama_env, "load_average_start": os.getloadavg(), "argv": sys.argv, "models": []}
     tmp_json = a.out_dir / f".qkvshare-{stamp}.json"
     for i, (name, path) in enumerate(models.items()):
         log(f"=== {name} ({path}) ===")

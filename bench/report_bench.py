@@ -8,6 +8,7 @@ Prints Markdown on stdout. --update-docs rewrites the part of docs/benchmarks.md
 """
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,11 @@ def limits_table(res, deep):
     return out
 
 
+def busy(res):
+    la = [x[0] for x in (res.get("load_average_start"), res.get("load_average_end")) if x]
+    return bool(la) and max(la) > res["threads"] + 0.5
+
+
 def machine_section(res):
     keep = ("Model name", "CPU(s):", "Thread(s) per core", "L2 cache", "L3 cache", "Flags")
     lines = [ln for ln in res["lscpu"].splitlines() if ln.startswith(keep)]
@@ -145,12 +151,15 @@ def machine_section(res):
     la0, la1 = res.get("load_average_start"), res.get("load_average_end")
     out = ["", "### Machine and run", "", "```"] + lines + [
         f"run {res['timestamp_utc']} UTC; load average at start {la0[0]:.1f}, at end {la1[0]:.1f}"
-        + (" (BUSY: other jobs were running, numbers are noisy)" if max(la0[0], la1[0]) > res["threads"] + 0.5 else ""),
-        "```", "", "Commands of this run (per model; the model path varies):", "", "```"]
+        + (" (BUSY: other jobs were running, numbers are noisy)" if busy(res) else ""),
+        "```"] + ([f"\nllama.cpp ran with {' '.join(f'{k}={v}' for k, v in res['llama_env'].items())} (its OpenMP threads sleep instead of spinning: "
+                   "fairer on a busy machine, slower on a quiet one)."] if res.get("llama_env") else []) + [
+        "", "Commands of this run (per model; the model path varies):", "", "```"]
     seen = set()
     for m in res["models"][:1]:
         for r in m["runs"]:
             for c in r.get("commands", [r.get("command")]):
+                c = re.sub(r"--json \S+", "--json out.json", c) if c else c
                 if c and c not in seen:
                     out.append(c)
                     seen.add(c)
@@ -187,14 +196,15 @@ def plot(res, path):
             vals = [tps(runs_of(m).get(engine), kind, depth) or 0 for m in res["models"]]
             xs = [i + (k - 0.5) * width for i in range(len(names))]
             bars = ax.bar(xs, vals, width, label=engine, color=["#1f77b4", "#ff7f0e"][k])
-            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
         ax.set_title(title)
         ax.set_ylabel("tokens/s")
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
     axes[-1].set_xticks(range(len(names)), names, rotation=25, ha="right")
     fig.suptitle(f"QKVShare vs llama.cpp, {res['threads']} threads, run {res['timestamp_utc']}"
-                 + (" (quick)" if res.get("quick") else ""))
+                 + (" (quick)" if res.get("quick") else "")
+                 + (" — BUSY machine, preliminary" if busy(res) else ""))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -209,6 +219,10 @@ def main():
     a = p.parse_args()
     res = json.loads(a.results.read_text())
     md = tables(res) + machine_section(res)
+    short = res["n_prompt"] != 512 or res["n_gen"] != 128 or res["reps"] < 3
+    if busy(res) or short:
+        md = [f"> **Preliminary run**: {'busy machine' if busy(res) else 'quiet machine'}"
+              f"{', shortened tests' if short else ''}. Not the final comparison.", ""] + md
     md.append(f"\nRaw results: `bench/results/{a.results.name}`.")
     print("\n".join(md))
     plot_path = a.plot or (PLOT if a.update_docs else None)

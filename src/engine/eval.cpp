@@ -41,8 +41,11 @@ struct Accumulator {
 
 std::vector<KvFormat> all_eval_formats() {
   std::vector<KvFormat> out;
-  for (const char* f : {"f16", "int8", "int8:kaxis=token", "k8v4", "int4", "int4:rot=kv", "k4v2", "int3", "int2",
-                        "int2:window=128:sink=32", "k8v2:window=128:sink=32"})
+  // The noise floor (f16), the named formats, per-token keys for comparison,
+  // K/V splits, and the f16 window + sinks that the low bit widths need.
+  for (const char* f : {"f16", "int8", "int8:kaxis=token", "k8v4", "int4", "int4:window=128:sink=32", "int3",
+                        "int3:window=128:sink=32", "k4v3:window=128:sink=32", "int2", "int2:window=128:sink=32:vgroup=16",
+                        "k8v2:window=128:sink=32:vgroup=16"})
     out.push_back(KvFormat::parse(f));
   return out;
 }

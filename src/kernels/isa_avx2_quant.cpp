@@ -8,6 +8,8 @@
 // Q8_0 instead uses the sign trick (|w| times x with w's sign), <= 128 * 127 * 2.
 #include "simd_intrin.hpp"
 
+#include <type_traits>
+
 #include "gemm_tiles.hpp"
 #include "kernel_table.hpp"
 #include "qkvshare/kernels/quant.hpp"  // block layouts only
@@ -22,9 +24,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// A weight step: unsigned codes and the scale per lane; Q4_1 adds its
+// minimum (WQMin), the others leave it out of the decoded-step buffers.
 struct WQ {
   __m256i q;
   __m256 d;
+};
+struct WQMin : WQ {
   __m256 m;
 };
 struct XQ {
@@ -38,7 +44,7 @@ struct XQ {
 template <bool kMin, bool kSigned = false>
 struct QBase {
   using Acc = __m256;
-  using W = WQ;
+  using W = std::conditional_t<kMin, WQMin, WQ>;
   using X = XQ;
   static __m256 zero() { return _mm256_setzero_ps(); }
   static float reduce(__m256 v) { return hsum(v); }
@@ -55,7 +61,7 @@ struct QBase {
     return x;
   }
   static XQ load_x_tail(const GemmArgs& a, std::int64_t t, std::int64_t s) { return load_x(a, t, s); }
-  static void mac(__m256& acc, const WQ& w, const XQ& x) {
+  static void mac(__m256& acc, const W& w, const XQ& x) {
     __m256i p16;
     if constexpr (kSigned)
       p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w.q, w.q), _mm256_sign_epi8(x.q, w.q));
@@ -87,15 +93,15 @@ struct FQ4_0 : QBase<false> {
 
 struct FQ4_1 : QBase<true> {
   static std::int64_t steps(std::int64_t cols) { return cols / 32; }
-  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+  static WQMin load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
     const BlockQ4_1* b = reinterpret_cast<const BlockQ4_1*>(row) + s;
-    WQ w{};
+    WQMin w{};
     w.q = nibbles(b->qs);
     w.d = _mm256_set1_ps(_cvtsh_ss(b->d));
     w.m = _mm256_set1_ps(_cvtsh_ss(b->m));
     return w;
   }
-  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+  static WQMin load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
 };
 
 struct FQ8_0 : QBase<false, true> {

@@ -7,6 +7,8 @@
 // offset of u (kernel_table.hpp). A lane is then scaled by d_w * d_x in f32.
 #include "simd_intrin.hpp"
 
+#include <type_traits>
+
 #include "gemm_tiles.hpp"
 #include "kernel_table.hpp"
 #include "qkvshare/kernels/quant.hpp"  // block layouts only
@@ -33,10 +35,14 @@ inline __m128i two_u16(const void* p0, const void* p1) {
   return _mm_unpacklo_epi16(_mm_loadu_si16(p0), _mm_loadu_si16(p1));
 }
 
+// A weight step: unsigned codes and the scale per lane; Q4_1 adds its
+// minimum (WQMin), the others leave it out of the decoded-step buffers.
 struct WQ {
-  __m512i q;  // unsigned codes
-  __m512 d;   // weight scale per lane
-  __m512 m;   // Q4_1 minimum per lane
+  __m512i q;
+  __m512 d;
+};
+struct WQMin : WQ {
+  __m512 m;
 };
 struct XQ {
   __m512i q;
@@ -48,7 +54,7 @@ struct XQ {
 template <bool kMin>
 struct QBase {
   using Acc = __m512;
-  using W = WQ;
+  using W = std::conditional_t<kMin, WQMin, WQ>;
   using X = XQ;
   static __m512 zero() { return _mm512_setzero_ps(); }
   static float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -75,7 +81,7 @@ struct QBase {
       x.bias = _mm512_maskz_loadu_epi32(0x00ff, a.act.bias + off / 4);
     return x;
   }
-  static void mac(__m512& acc, const WQ& w, const XQ& x) {
+  static void mac(__m512& acc, const W& w, const XQ& x) {
     const __m512i p = _mm512_dpbusd_epi32(kMin ? _mm512_setzero_si512() : x.bias, w.q, x.q);
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w.d, x.dl), acc);
     if constexpr (kMin) acc = _mm512_fmadd_ps(w.m, x.xs, acc);
@@ -89,10 +95,10 @@ struct PairFormat : QBase<kMin> {
   static std::int64_t steps(std::int64_t cols) { return cols / 64; }
   static bool tail(std::int64_t cols) { return cols % 64 != 0; }
   static const Block* blk(const std::uint8_t* row, std::int64_t b) { return reinterpret_cast<const Block*>(row) + b; }
-  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+  static auto load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
     return Derived::pair(blk(row, 2 * s), blk(row, 2 * s + 1));
   }
-  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+  static auto load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
     return Derived::pair(blk(row, 2 * s), blk(row, 2 * s));
   }
 };
@@ -107,8 +113,8 @@ struct FQ4_0 : PairFormat<BlockQ4_0, FQ4_0, false> {
 };
 
 struct FQ4_1 : PairFormat<BlockQ4_1, FQ4_1, true> {
-  static WQ pair(const BlockQ4_1* b0, const BlockQ4_1* b1) {
-    WQ w{};
+  static WQMin pair(const BlockQ4_1* b0, const BlockQ4_1* b1) {
+    WQMin w{};
     w.q = nibbles_pair(b0->qs, b1->qs);
     // d and m are the first 4 bytes of a block: [d0 m0 d1 m1] as floats.
     const __m512 dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_unpacklo_epi32(_mm_loadu_si32(b0), _mm_loadu_si32(b1))));

@@ -17,12 +17,7 @@ namespace {
 constexpr int kChunkTokens = 16;      // query tokens per job: a decoded tile serves them all
 constexpr int kPartitionBlocks = 16;  // keys per job in decode (split-K), merged afterwards
 
-struct Ops {
-  void (*decode)(const KvCodec&, const TileLayout&, const std::byte*, int, float*);
-  float (*scores)(const float*, const float*, int, int, float, float*);
-  void (*weighted_sum)(float*, const float*, const float*, int, int);
-  float (*exp_sum)(float*, int, float);
-};
+using Ops = KvKernels;
 
 // The f32 reference: the calls of kernels::attend_head_f32_ref in the same
 // order, so an f32 pool gives DenseKvCache's bits under the portable kernels
@@ -146,10 +141,11 @@ void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool) {
     attend_exact(in, pool);
     return;
   }
-  bool simd = path == AttendPath::simd || (path == AttendPath::automatic && simd_supported());
-  if (simd && !simd_supported()) fail(ErrorCode::unsupported, "KV attention: this CPU lacks AVX2/FMA/F16C");
-  const Ops ops = simd ? Ops{decode_tile_simd, scores_simd, weighted_sum_simd, exp_sum_simd}
-                       : Ops{decode_tile_scalar, scores_scalar, weighted_sum_scalar, exp_sum_scalar};
+  const KvIsa isa = path == AttendPath::scalar ? KvIsa::scalar
+                   : path == AttendPath::avx2   ? KvIsa::avx2
+                   : path == AttendPath::avx512 ? KvIsa::avx512
+                                                : best_kv_isa();
+  const Ops& ops = kv_kernels(isa);
   const int chunks = (in.n + kChunkTokens - 1) / kChunkTokens;
   // Few queries (decode): split the keys too, so every thread has work. The
   // split depends on the problem only, never on the thread count, so results

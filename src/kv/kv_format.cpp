@@ -102,12 +102,12 @@ TileLayout tile_layout(const KvCodec& c, int block_tokens, int head_dim) {
     if (c.axis == KvAxis::channel) {
       t.n_params = D;
     } else {
-      const int g = c.group == 0 ? head_dim : std::min<int>(c.group, head_dim);
-      if (head_dim % g != 0)
-        fail(ErrorCode::invalid_argument, "KV codec group {} does not divide head_dim {}", g, head_dim);
-      t.n_params = T * D / static_cast<std::size_t>(g);
+      if (c.group % 8 != 0) fail(ErrorCode::invalid_argument, "KV codec group {} is not a multiple of 8", c.group);
+      t.n_params = T * D / static_cast<std::size_t>(effective_group(c, head_dim));
     }
-    t.param_bytes = t.n_params * 4;
+    // Rounded to 8 pairs so the SIMD decoders convert them 8 at a time in bounds.
+    t.param_stride = round_up(t.n_params, 8);
+    t.param_bytes = t.param_stride * 4;
   }
   // Codes come first: the 3-bit unpacker reads 4 bytes for its last 3, which
   // then fall on the params (or the padding) of the same tile.

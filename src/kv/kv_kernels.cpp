@@ -18,11 +18,9 @@ std::uint16_t* scales_of(const TileLayout& l, std::byte* tile) {
   return reinterpret_cast<std::uint16_t*>(tile + l.param_offset);
 }
 std::uint16_t* mins_of(const TileLayout& l, std::byte* tile) {
-  return reinterpret_cast<std::uint16_t*>(tile + l.param_offset + 2 * l.n_params);
+  return reinterpret_cast<std::uint16_t*>(tile + l.param_offset + 2 * l.param_stride);
 }
 
-// Channels per (scale, min) pair for per-token codes.
-int group_of(const KvCodec& c, int head_dim) { return c.group == 0 ? head_dim : std::min<int>(c.group, head_dim); }
 
 // Stores `count` codes of `bits` bits at `row`: 8 elements per `bits` bytes,
 // element i of a unit at bit i * bits (little endian). The layout is the same
@@ -42,9 +40,11 @@ int unpack_code(const std::byte* row, int i, int bits) {
   return static_cast<int>((word >> (k * bits)) & ((1u << bits) - 1u));
 }
 
-std::uint8_t quantize_one(float x, float s, float m, int qmax) {
-  if (!(s > 0.0f) || !std::isfinite(s)) return 0;
-  const float q = std::nearbyint((x - m) / s);
+// inv = 1 / scale (0 when the scale is 0: every code is 0).
+float inverse(float s) { return s > 0.0f && std::isfinite(s) ? 1.0f / s : 0.0f; }
+
+std::uint8_t quantize_one(float x, float inv, float m, int qmax) {
+  const float q = std::nearbyint((x - m) * inv);
   return static_cast<std::uint8_t>(std::clamp(q, 0.0f, static_cast<float>(qmax)));
 }
 
@@ -69,11 +69,11 @@ void fit_params(const float* x, int n, int stride, int qmax, std::uint16_t& s16,
   params_for(lo, hi, qmax, s16, m16);
   if (qmax >= 255 || !(hi > lo)) return;
   const auto sse = [&](std::uint16_t s_, std::uint16_t m_) {
-    const float sc = fp16_to_fp32(s_), mn = fp16_to_fp32(m_);
+    const float sc = fp16_to_fp32(s_), mn = fp16_to_fp32(m_), inv = inverse(sc);
     float e = 0.0f;
     for (int i = 0; i < n; ++i) {
       const float v = x[i * stride];
-      const float d = v - std::fma(static_cast<float>(quantize_one(v, sc, mn, qmax)), sc, mn);
+      const float d = v - (static_cast<float>(quantize_one(v, inv, mn, qmax)) * sc + mn);
       e += d * d;
     }
     return e;
@@ -115,23 +115,27 @@ void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, s
   std::uint8_t codes[4096];
   QKV_CHECK(D <= 4096);
   if (codec.axis == KvAxis::channel) {
-    for (int c = 0; c < D; ++c) fit_params(rows + c, T, D, qmax, scales[c], mins[c]);
+    float inv[4096];
+    for (int c = 0; c < D; ++c) {
+      fit_params(rows + c, T, D, qmax, scales[c], mins[c]);
+      inv[c] = inverse(fp16_to_fp32(scales[c]));
+    }
     for (int j = 0; j < T; ++j) {
       for (int c = 0; c < D; ++c)
-        codes[c] = quantize_one(rows[j * D + c], fp16_to_fp32(scales[c]), fp16_to_fp32(mins[c]), qmax);
+        codes[c] = quantize_one(rows[j * D + c], inv[c], fp16_to_fp32(mins[c]), qmax);
       pack_row(codes, D, bits, tile + static_cast<std::size_t>(j) * l.row_bytes);
     }
     return;
   }
-  const int G = group_of(codec, D), groups = D / G;
+  const int G = effective_group(codec, D), groups = D / G;
   for (int j = 0; j < T; ++j) {
     const float* x = rows + static_cast<std::size_t>(j) * D;
     for (int g = 0; g < groups; ++g) {
       const float* xg = x + g * G;
       const std::size_t p = static_cast<std::size_t>(j * groups + g);
       fit_params(xg, G, 1, qmax, scales[p], mins[p]);
-      const float s = fp16_to_fp32(scales[p]), m = fp16_to_fp32(mins[p]);
-      for (int c = 0; c < G; ++c) codes[g * G + c] = quantize_one(xg[c], s, m, qmax);
+      const float inv = inverse(fp16_to_fp32(scales[p])), m = fp16_to_fp32(mins[p]);
+      for (int c = 0; c < G; ++c) codes[g * G + c] = quantize_one(xg[c], inv, m, qmax);
     }
     pack_row(codes, D, bits, tile + static_cast<std::size_t>(j) * l.row_bytes);
   }
@@ -155,7 +159,7 @@ void decode_tile_scalar(const KvCodec& codec, const TileLayout& l, const std::by
   const std::uint16_t* scales = scales_of(l, t);
   const std::uint16_t* mins = mins_of(l, t);
   const bool per_channel = codec.axis == KvAxis::channel;
-  const int G = per_channel ? 1 : group_of(codec, D), groups = per_channel ? 1 : D / G;
+  const int G = per_channel ? 1 : effective_group(codec, D), groups = per_channel ? 1 : D / G;
   for (int j = 0; j < n_rows; ++j) {
     const std::byte* row = tile + static_cast<std::size_t>(j) * l.row_bytes;
     for (int c = 0; c < D; ++c) {

@@ -1,6 +1,6 @@
-// AVX2 + FMA + F16C versions of the tile kernels. The library is built for
-// the baseline ISA, so these functions carry their own target and are only
-// called after simd_supported() has checked the CPU at run time.
+// AVX2 + FMA + F16C versions of the tile kernels, and the run-time choice of
+// ISA. The library is built for the baseline ISA, so these functions carry
+// their own target and are only called after the CPU check.
 #include <cpuid.h>
 #include <immintrin.h>
 
@@ -14,14 +14,42 @@
 
 namespace qkvshare::kv {
 
-bool simd_supported() noexcept {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
-    const bool f16c = (c & (1u << 29)) != 0;
-    return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return ok;
+namespace {
+
+bool cpu_has_avx2() noexcept {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+  const bool f16c = (c & (1u << 29)) != 0;
+  return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+bool cpu_has_avx512() noexcept {
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+}  // namespace
+
+bool kv_isa_supported(KvIsa isa) noexcept {
+  static const bool avx2 = cpu_has_avx2(), avx512 = cpu_has_avx512();
+  switch (isa) {
+    case KvIsa::scalar: return true;
+    case KvIsa::avx2: return avx2;
+    case KvIsa::avx512: return avx512;
+  }
+  return false;
+}
+
+KvIsa best_kv_isa() noexcept {
+  return kv_isa_supported(KvIsa::avx512) ? KvIsa::avx512 : kv_isa_supported(KvIsa::avx2) ? KvIsa::avx2 : KvIsa::scalar;
+}
+
+const KvKernels& kv_kernels(KvIsa isa) {
+  static const KvKernels scalar{decode_tile_scalar, scores_scalar, weighted_sum_scalar, exp_sum_scalar};
+  static const KvKernels avx2{decode_tile_avx2, scores_avx2, weighted_sum_avx2, exp_sum_avx2};
+  static const KvKernels avx512{decode_tile_avx512, scores_avx512, weighted_sum_avx512, exp_sum_avx2};
+  if (!kv_isa_supported(isa)) fail(ErrorCode::unsupported, "KV kernels: this CPU lacks the requested SIMD level");
+  return isa == KvIsa::avx512 ? avx512 : isa == KvIsa::avx2 ? avx2 : scalar;
 }
 
 #pragma GCC push_options
@@ -50,12 +78,13 @@ inline __m256 unpack8(const std::byte* unit) {
 }
 
 constexpr int kMaxHeadDim = 1024;
+constexpr int kParamBatch = 512;  // (scale, min) pairs converted at a time
 
 template <int Bits>
 void decode_quant(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
   const int D = l.head_dim, units = D / 8;
   const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + l.param_offset);
-  const auto* mins = scales + l.n_params;
+  const auto* mins = scales + l.param_stride;
   if (codec.axis == KvAxis::channel) {
     // The channel parameters once per tile, then one fma per 8 elements of each row.
     alignas(32) float sf[kMaxHeadDim], mf[kMaxHeadDim];
@@ -73,15 +102,27 @@ void decode_quant(const KvCodec& codec, const TileLayout& l, const std::byte* ti
     }
     return;
   }
-  const int G = codec.group == 0 ? D : std::min<int>(codec.group, D), groups = D / G, upg = G / 8;
-  for (int j = 0; j < n_rows; ++j) {
-    const std::byte* row = tile + static_cast<std::size_t>(j) * l.row_bytes;
-    float* o = out + static_cast<std::size_t>(j) * D;
-    for (int g = 0; g < groups; ++g) {
-      const std::size_t p = static_cast<std::size_t>(j * groups + g);
-      const __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[p])), m = _mm256_set1_ps(_cvtsh_ss(mins[p]));
-      for (int u = g * upg; u < (g + 1) * upg; ++u)
-        _mm256_storeu_ps(o + u * 8, _mm256_fmadd_ps(unpack8<Bits>(row + u * Bits), s, m));
+  const int G = effective_group(codec, D), groups = D / G, upg = G / 8;
+  // All (scale, min) pairs of the rows in f32 first, in batches of rows, so
+  // each group is one broadcast load.
+  alignas(32) float sf[kParamBatch + 8], mf[kParamBatch + 8];
+  const int rows_per_batch = kParamBatch / groups;
+  for (int j0 = 0; j0 < n_rows; j0 += rows_per_batch) {
+    const int j1 = j0 + rows_per_batch < n_rows ? j0 + rows_per_batch : n_rows;
+    const int p0 = j0 * groups, np = (j1 - j0) * groups;
+    for (int i = 0; i < np; i += 8) {
+      _mm256_store_ps(sf + i, load_f16x8(scales + p0 + i));  // may read a little past: params end inside the tile
+      _mm256_store_ps(mf + i, load_f16x8(mins + p0 + i));
+    }
+    for (int j = j0; j < j1; ++j) {
+      const std::byte* row = tile + static_cast<std::size_t>(j) * l.row_bytes;
+      float* o = out + static_cast<std::size_t>(j) * D;
+      for (int g = 0; g < groups; ++g) {
+        const int p = (j - j0) * groups + g;
+        const __m256 sv = _mm256_broadcast_ss(sf + p), mv = _mm256_broadcast_ss(mf + p);
+        for (int u = g * upg; u < (g + 1) * upg; ++u)
+          _mm256_storeu_ps(o + u * 8, _mm256_fmadd_ps(unpack8<Bits>(row + u * Bits), sv, mv));
+      }
     }
   }
 }
@@ -113,7 +154,7 @@ inline __m256 exp_ps(__m256 x) {
 
 }  // namespace
 
-void decode_tile_simd(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
+void decode_tile_avx2(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
   QKV_CHECK(n_rows >= 0 && n_rows <= l.tokens && l.head_dim <= kMaxHeadDim);
   const std::size_t n = static_cast<std::size_t>(n_rows) * static_cast<std::size_t>(l.head_dim);
   switch (codec.type) {
@@ -132,7 +173,7 @@ void decode_tile_simd(const KvCodec& codec, const TileLayout& l, const std::byte
 
 // 8 rows at a time, each with its own accumulator, reduced together: one
 // transpose-and-add instead of eight horizontal sums.
-float scores_simd(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s) {
+float scores_avx2(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s) {
   const __m256 vs = _mm256_set1_ps(scale);
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int j = 0;
@@ -186,7 +227,7 @@ void weighted_sum_nv(float* o, const float* p, const float* rows, int n_rows, in
 
 }  // namespace
 
-void weighted_sum_simd(float* o, const float* p, const float* rows, int n_rows, int head_dim) {
+void weighted_sum_avx2(float* o, const float* p, const float* rows, int n_rows, int head_dim) {
   for (int c0 = 0; c0 < head_dim; c0 += 64) {
     switch (std::min(8, (head_dim - c0) / 8)) {
       case 1: weighted_sum_nv<1>(o + c0, p, rows + c0, n_rows, head_dim); break;
@@ -201,7 +242,7 @@ void weighted_sum_simd(float* o, const float* p, const float* rows, int n_rows, 
   }
 }
 
-float exp_sum_simd(float* x, int n, float max) {
+float exp_sum_avx2(float* x, int n, float max) {
   const __m256 vm = _mm256_set1_ps(max);
   __m256 acc = _mm256_setzero_ps();
   int i = 0;

@@ -10,36 +10,8 @@ namespace qkvshare {
 
 using namespace share_detail;
 
-namespace share_detail {
-
-std::uint64_t hash_block(const KvPool& pool, BlockRef ref) {
-  const BlockInfo info = pool.info(ref);
-  const KvShape& s = pool.shape();
-  XXH3_state_t* st = XXH3_createState();
-  if (st == nullptr) fail(ErrorCode::out_of_memory, "cannot allocate a hash state");
-  XXH3_64bits_reset(st);
-  const std::uint32_t codecs[2] = {info.k.pack(), info.v.pack()};
-  XXH3_64bits_update(st, codecs, sizeof codecs);
-  for (int kind = 0; kind < 2; ++kind) {
-    const std::size_t bytes = tile_layout(kind == 0 ? info.k : info.v, pool.block_tokens(), s.head_dim).bytes;
-    for (int l = 0; l < s.n_layers; ++l)
-      for (int h = 0; h < s.n_kv_heads; ++h) XXH3_64bits_update(st, pool.tile(ref, kind, l, h), bytes);
-  }
-  const std::uint64_t d = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
-  return d;
-}
-
-}  // namespace share_detail
 
 namespace {
-
-std::uint64_t full_checksum(const KvPool& pool, const std::vector<BlockRef>& blocks) {
-  std::vector<std::uint64_t> digests;
-  digests.reserve(blocks.size());
-  for (BlockRef b : blocks) digests.push_back(hash_block(pool, b));
-  return XXH3_64bits(digests.data(), digests.size() * sizeof(std::uint64_t));
-}
 
 bool equal_tags(const std::array<std::uint8_t, kCapabilityBytes>& a, const std::array<std::uint8_t, kCapabilityBytes>& b) {
   std::uint8_t diff = 0;  // constant time: the comparison does not tell where a forgery went wrong
@@ -389,16 +361,26 @@ DescriptorStatus SharePool::check(const Descriptor& d, bool verify) {
       st.pool_matches && equal_tags(capability_tag(std::span<const std::uint8_t>(hd.secret, kSecretBytes), d.encode()),
                                     d.capability);
   try {
+    const std::shared_ptr<KvPool> pool = verify ? kv_pool_if_any() : nullptr;
+    if (verify && !pool) fail(ErrorCode::bad_descriptor, "pool '{}' holds no KV to verify", impl_->name);
+    std::vector<BlockRef> blocks;
     {
       RegistryLock lock(*impl_->reg);
       impl_->validate_locked(d, d.grantee, false);
+      // Hold the blocks for the rehash, which runs outside the lock.
+      const TableEntry* t = impl_->reg->table(d.record_slot);
+      for (std::uint32_t b = 0; pool && b < d.block_count; ++b) {
+        blocks.push_back(BlockRef{t[b].index, t[b].generation});
+        pool->retain(blocks.back());
+      }
     }
     st.live = st.checksums_match = true;
-    if (verify) {
-      auto pool = kv_pool_if_any();
-      if (!pool) fail(ErrorCode::bad_descriptor, "pool '{}' holds no KV to verify", impl_->name);
-      OpenedContext o = open(d, d.grantee, true, static_cast<int>(d.token_count), true);
-      if (!o.cache) fail(ErrorCode::bad_descriptor, "context {}: {}", d.context_id, o.refused_detail);
+    if (pool) {
+      const bool same = full_checksum(*pool, blocks) == d.blocks_checksum;
+      for (BlockRef b : blocks) pool->release(b);
+      if (!same)
+        fail(ErrorCode::bad_descriptor, "context {}: its blocks do not match the checksum taken when they were sealed",
+             d.context_id);
       st.blocks_verified = true;
     }
   } catch (const Error& e) {

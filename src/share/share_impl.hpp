@@ -95,6 +95,8 @@ std::uint64_t monotonic_ns() noexcept;
 std::uint64_t unix_ns() noexcept;
 // XXH3-64 over every tile of a block (codecs included).
 std::uint64_t hash_block(const KvPool& pool, BlockRef ref);
+// XXH3-64 over the blocks' digests: what a descriptor's blocks checksum says.
+std::uint64_t full_checksum(const KvPool& pool, const std::vector<BlockRef>& blocks);
 
 }  // namespace qkvshare::share_detail
 

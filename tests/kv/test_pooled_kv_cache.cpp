@@ -42,33 +42,39 @@ struct Geometry {
 // SIMD attention against the scalar reference, every format, with pass sizes
 // that straddle blocks, query chunks (16) and decode partitions (16 blocks).
 TEST(PooledKvCache, SimdAttentionMatchesScalarOnEveryFormat) {
-  if (!kv::simd_supported()) GTEST_SKIP() << "no AVX2/FMA/F16C";
+  std::vector<AttendPath> paths;
+  if (kv::kv_isa_supported(kv::KvIsa::avx2)) paths.push_back(AttendPath::avx2);
+  if (kv::kv_isa_supported(kv::KvIsa::avx512)) paths.push_back(AttendPath::avx512);
+  if (paths.empty()) GTEST_SKIP() << "no AVX2/FMA/F16C";
   ThreadPool threads(2);
-  const Geometry geos[] = {{{2, 6, 3, 16}, 8}, {{1, 4, 4, 8}, 32}, {{1, 9, 3, 64}, 16}};
+  const Geometry geos[] = {{{2, 6, 3, 16}, 8}, {{1, 4, 4, 8}, 32}, {{1, 9, 3, 64}, 16}, {{1, 2, 1, 48}, 4}};
   const int sizes[] = {1, 7, 33, 1, 1, 50, 3, 1, 90, 1, 1};
-  for (const Geometry& g : geos)
-    for (const char* text : kAllFormats) {
-      const KvFormat f = KvFormat::parse(text);
-      auto pool = KvPool::create(PoolConfig{g.shape, g.block_tokens, KvPool::arena_bytes_for(g.shape, g.block_tokens, f, 256, 2)});
-      PooledKvCache scalar(pool, f, 256), simd(pool, f, 256);
-      scalar.set_attend_path(AttendPath::scalar);
-      simd.set_attend_path(AttendPath::simd);
-      DenseKvCache dense(g.shape, 256);
-      unsigned seed = 1;
-      for (int n : sizes) {
-        const auto pass = random_pass(g.shape, n, seed++);
-        const auto a = run_pass(scalar, pass, n, threads);
-        const auto b = run_pass(simd, pass, n, threads);
-        const auto r = run_pass(dense, pass, n, threads);
-        ASSERT_LE(max_abs_diff(a, b), 2e-5f) << text << " n=" << n << " size=" << scalar.size();
-        // And the format approximates f32 attention to its own precision (relative RMS error).
-        // (2 and 3 bits are too coarse for random rows; the eval measures them on real models.)
-        const int bits = std::min(f.k.bits(), f.v.bits());
-        const double tol = bits >= 16 ? 3e-3 : bits >= 8 ? 0.05 : bits >= 4 ? 0.5 : 10.0;
-        ASSERT_LE(rel_rms(a, r), tol) << text << " n=" << n;
+  for (const AttendPath path : paths)
+    for (const Geometry& g : geos)
+      for (const char* text : kAllFormats) {
+        const KvFormat f = KvFormat::parse(text);
+        if ((f.rotate_k || f.rotate_v) && (g.shape.head_dim & (g.shape.head_dim - 1)) != 0) continue;  // Hadamard: 2^k only
+        auto pool = KvPool::create(PoolConfig{g.shape, g.block_tokens, KvPool::arena_bytes_for(g.shape, g.block_tokens, f, 256, 2)});
+        PooledKvCache scalar(pool, f, 256), simd(pool, f, 256);
+        scalar.set_attend_path(AttendPath::scalar);
+        simd.set_attend_path(path);
+        DenseKvCache dense(g.shape, 256);
+        unsigned seed = 1;
+        for (int n : sizes) {
+          const auto pass = random_pass(g.shape, n, seed++);
+          const auto a = run_pass(scalar, pass, n, threads);
+          const auto b = run_pass(simd, pass, n, threads);
+          const auto r = run_pass(dense, pass, n, threads);
+          ASSERT_LE(max_abs_diff(a, b), 2e-5f) << text << " path " << static_cast<int>(path) << " n=" << n
+                                               << " size=" << scalar.size() << " head_dim " << g.shape.head_dim;
+          // And the format approximates f32 attention to its own precision (relative RMS error).
+          // (2 and 3 bits are too coarse for random rows; the eval measures them on real models.)
+          const int bits = std::min(f.k.bits(), f.v.bits());
+          const double tol = bits >= 16 ? 3e-3 : bits >= 8 ? 0.05 : bits >= 4 ? 0.5 : 10.0;
+          ASSERT_LE(rel_rms(a, r), tol) << text << " n=" << n;
+        }
+        EXPECT_EQ(scalar.size(), simd.size());
       }
-      EXPECT_EQ(scalar.size(), simd.size());
-    }
 }
 
 TEST(PooledKvCache, F32PoolIsBitIdenticalToDenseCache) {

@@ -18,16 +18,16 @@
 namespace qkvshare {
 namespace {
 
-struct Run {
+struct CliRun {
   int status = -1;
   std::string out, err;
 };
 
 // Runs the CLI with `args` (a shell-quoted string); stdout and stderr apart.
-Run cli(const std::string& args) {
+CliRun cli(const std::string& args) {
   const std::string dir = testing::temp_dir();
   const std::string cmd = testing::cli_path() + " " + args + " > " + dir + "/out 2> " + dir + "/err";
-  Run r;
+  CliRun r;
   const int rc = std::system(cmd.c_str());
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
   std::ifstream o(dir + "/out"), e(dir + "/err");
@@ -69,7 +69,7 @@ class ShareCli : public ::testing::Test {
       EXPECT_FALSE(std::filesystem::exists("/dev/shm/qkvshare." + name_));  // unlinked on SIGTERM
     }
   }
-  Run publish(const std::string& out, const std::string& extra = "") {
+  CliRun publish(const std::string& out, const std::string& extra = "") {
     return cli("generate" + kModel + " -p 'Lily had a red ball' -n 12 --temp 0 --ignore-eos --json --pool " + name_ +
                " --publish " + out + " --agent A --grant B" + extra);
   }
@@ -77,14 +77,14 @@ class ShareCli : public ::testing::Test {
   pid_t server_ = -1;
 };
 
-std::vector<TokenId> ids_of(const Run& r) {
+std::vector<TokenId> ids_of(const CliRun& r) {
   return nlohmann::json::parse(r.out)["generated_ids"].get<std::vector<TokenId>>();
 }
 
 TEST_F(ShareCli, ProducerAndConsumerProcessesMatchOneProcess) {
-  const Run a = publish(dir_ + "/a.desc");
+  const CliRun a = publish(dir_ + "/a.desc");
   ASSERT_EQ(a.status, 0) << a.err;
-  const Run b = cli("generate" + kModel + " -p ' and a big dog' -n 12 --temp 0 --ignore-eos --json --pool " + name_ +
+  const CliRun b = cli("generate" + kModel + " -p ' and a big dog' -n 12 --temp 0 --ignore-eos --json --pool " + name_ +
                     " --from " + dir_ + "/a.desc --agent B --handoff kv");
   ASSERT_EQ(b.status, 0) << b.err;
   EXPECT_NE(b.err.find("on its KV"), std::string::npos) << b.err;
@@ -112,7 +112,7 @@ TEST_F(ShareCli, ProducerAndConsumerProcessesMatchOneProcess) {
   EXPECT_EQ(second.tokens, ids_of(b));
 
   // B released its grant: the descriptor is stale now.
-  const Run again = cli("context inspect " + dir_ + "/a.desc --pool " + name_);
+  const CliRun again = cli("context inspect " + dir_ + "/a.desc --pool " + name_);
   EXPECT_EQ(again.status, 1);
   EXPECT_NE(again.err.find("error: "), std::string::npos);
   EXPECT_NE(again.err.find("stale"), std::string::npos) << again.err;
@@ -120,9 +120,9 @@ TEST_F(ShareCli, ProducerAndConsumerProcessesMatchOneProcess) {
 }
 
 TEST_F(ShareCli, InspectShowsTheDescriptorAndVerifiesIt) {
-  const Run a = publish(dir_ + "/a.desc");
+  const CliRun a = publish(dir_ + "/a.desc");
   ASSERT_EQ(a.status, 0) << a.err;
-  const Run r = cli("context inspect " + dir_ + "/a.desc --pool " + name_ + " --verify" + kModel);
+  const CliRun r = cli("context inspect " + dir_ + "/a.desc --pool " + name_ + " --verify" + kModel);
   ASSERT_EQ(r.status, 0) << r.err;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["valid"], true);
@@ -132,7 +132,7 @@ TEST_F(ShareCli, InspectShowsTheDescriptorAndVerifiesIt) {
   EXPECT_EQ(j["descriptor"]["grantee"], "B");
   // The prompt and every generated token (the last one fed before sealing).
   EXPECT_EQ(j["descriptor"]["token_count"], nlohmann::json::parse(a.out)["prompt_ids"].size() + 12);
-  const Run stat = cli("pool stat --name " + name_);
+  const CliRun stat = cli("pool stat --name " + name_);
   ASSERT_EQ(stat.status, 0) << stat.err;
   EXPECT_EQ(nlohmann::json::parse(stat.out)["live"]["contexts"], 1);
 }
@@ -168,14 +168,14 @@ TEST_F(ShareCli, BadInputsAreClearErrors) {
       {"context revoke " + good + " --pool " + name_ + " --agent B", "only the producer 'A'"},
   };
   for (const auto& [args, what] : cases) {
-    const Run r = cli(args);
+    const CliRun r = cli(args);
     EXPECT_EQ(r.status, 1) << args << "\n" << r.err;
     EXPECT_EQ(r.err.rfind("error: ", 0) == 0 || r.err.find("\nerror: ") != std::string::npos, true) << args << "\n" << r.err;
     EXPECT_NE(r.err.find(what), std::string::npos) << args << "\n" << r.err;
   }
   // Released, then stale for good.
   ASSERT_EQ(cli("context release " + good + " --pool " + name_ + " --agent B").status, 0);
-  const Run stale = cli(cont + good);
+  const CliRun stale = cli(cont + good);
   EXPECT_EQ(stale.status, 1);
   EXPECT_NE(stale.err.find("stale"), std::string::npos) << stale.err;
 }
@@ -186,16 +186,16 @@ TEST_F(ShareCli, AnotherModelFallsBackToTextOrFailsWhenKvIsRequired) {
   ASSERT_EQ(cli("make-model --shape tiny-llama -o " + other).status, 0);
   const std::string cont = "generate -m " + other + " -p ' more' -n 2 --json --pool " + name_ +
                            " --agent B --from " + dir_ + "/a.desc";
-  const Run strict = cli(cont + " --handoff kv --keep");
+  const CliRun strict = cli(cont + " --handoff kv --keep");
   EXPECT_EQ(strict.status, 1);
   EXPECT_NE(strict.err.find("model fingerprint differs"), std::string::npos) << strict.err;
-  const Run r = cli(cont);
+  const CliRun r = cli(cont);
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("text mode"), std::string::npos) << r.err;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["share"]["from"]["mode"], "text");
   EXPECT_GT(j["share"]["from"]["prefill_tokens"].get<int>(), 0);
-  const Run stat = cli("pool stat --name " + name_);
+  const CliRun stat = cli("pool stat --name " + name_);
   EXPECT_EQ(nlohmann::json::parse(stat.out)["counters"]["fallback_model"], 1);
 }
 

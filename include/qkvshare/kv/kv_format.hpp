@@ -45,6 +45,14 @@ struct KvCodec {
   static KvCodec f16() noexcept { return {KvType::f16, KvAxis::token, 0}; }
 };
 
+// Channels per (scale, min) pair of a per-token codec: the group (0: the
+// whole head), lowered to the largest multiple of 8 that divides head_dim.
+inline int effective_group(const KvCodec& c, int head_dim) noexcept {
+  int g = c.group == 0 || c.group > head_dim ? head_dim : c.group;
+  while (g > 8 && head_dim % g != 0) g -= 8;
+  return g;
+}
+
 // The codec of hot blocks (the partly filled tail, window, sinks) for a cold codec.
 inline KvCodec hot_codec(const KvCodec& cold) noexcept {
   return cold.type == KvType::f32 ? KvCodec::f32() : KvCodec::f16();
@@ -59,6 +67,7 @@ struct TileLayout {
   std::size_t param_offset = 0; // code_bytes rounded up to 4
   std::size_t param_bytes = 0;  // (scale, min) f16 pairs: scales first, then mins
   std::size_t n_params = 0;     // number of (scale, min) pairs
+  std::size_t param_stride = 0; // n_params rounded up to 8: mins start this many halves after scales
   std::size_t bytes = 0;        // padded to 32 bytes
 };
 

@@ -1,9 +1,10 @@
 #pragma once
 // Tile kernels of the KV pool: coding rows into a tile, decoding a tile into a
-// block-sized f32 scratch (never more: DESIGN.md rule 4), the dot/axpy steps
-// of attention, and the Hadamard rotation. Each has a scalar reference; the
-// SIMD versions (AVX2 + FMA + F16C, chosen at run time) must agree with it:
-// decoding bit for bit, scores and sums up to float summation order.
+// block-sized f32 scratch (never more: DESIGN.md rule 4), the score and
+// weighted-sum steps of attention, and the Hadamard rotation. Each has a
+// scalar reference; the SIMD versions (AVX2, AVX-512, chosen at run time)
+// must agree with it: decoding bit for bit, scores and sums up to float
+// summation order.
 #include <cstddef>
 #include <cstdint>
 
@@ -22,21 +23,38 @@ void encode_row(const KvCodec& codec, const TileLayout& layout, const float* row
 
 // Rows [0, n_rows) of a tile as f32 [n_rows][head_dim].
 void decode_tile_scalar(const KvCodec& codec, const TileLayout& layout, const std::byte* tile, int n_rows, float* out);
-void decode_tile_simd(const KvCodec& codec, const TileLayout& layout, const std::byte* tile, int n_rows, float* out);
-
-// s[j] = scale * (q . rows[j]) for j < n_rows; rows are head_dim floats
-// (head_dim % 8 == 0 for the SIMD version). Returns the largest s[j].
+// s[j] = scale * (q . rows[j]) for j < n_rows; rows are head_dim floats.
+// Returns the largest s[j].
 float scores_scalar(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);
-float scores_simd(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);
 // o[head_dim] += sum over j < n_rows of p[j] * rows[j].
 void weighted_sum_scalar(float* o, const float* p, const float* rows, int n_rows, int head_dim);
-void weighted_sum_simd(float* o, const float* p, const float* rows, int n_rows, int head_dim);
 // x[i] = exp(x[i] - max), returns the sum (SIMD: polynomial exp, ~2 ulp).
 float exp_sum_scalar(float* x, int n, float max);
-float exp_sum_simd(float* x, int n, float max);
 
-// True when this CPU runs the SIMD versions (AVX2, FMA, F16C).
-bool simd_supported() noexcept;
+// The same for AVX2 + FMA + F16C (8 lanes) and AVX-512 (16 lanes; heads
+// that are not a multiple of 16 fall back to AVX2). Call only when supported.
+void decode_tile_avx2(const KvCodec& codec, const TileLayout& layout, const std::byte* tile, int n_rows, float* out);
+float scores_avx2(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);
+void weighted_sum_avx2(float* o, const float* p, const float* rows, int n_rows, int head_dim);
+float exp_sum_avx2(float* x, int n, float max);
+void decode_tile_avx512(const KvCodec& codec, const TileLayout& layout, const std::byte* tile, int n_rows, float* out);
+float scores_avx512(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);
+void weighted_sum_avx512(float* o, const float* p, const float* rows, int n_rows, int head_dim);
+
+enum class KvIsa { scalar, avx2, avx512 };
+
+struct KvKernels {
+  void (*decode)(const KvCodec&, const TileLayout&, const std::byte*, int, float*);
+  float (*scores)(const float*, const float*, int, int, float, float*);
+  void (*weighted_sum)(float*, const float*, const float*, int, int);
+  float (*exp_sum)(float*, int, float);
+};
+
+// Whether this CPU (and OS) runs an ISA's kernels.
+bool kv_isa_supported(KvIsa isa) noexcept;
+KvIsa best_kv_isa() noexcept;
+// Throws Error(unsupported) for an ISA this CPU lacks.
+const KvKernels& kv_kernels(KvIsa isa);
 
 // Orthonormal rotation of one head: x <- H * diag(signs) * x / sqrt(n), n a
 // power of two; unrotate is its inverse (and transpose). q.k is unchanged when

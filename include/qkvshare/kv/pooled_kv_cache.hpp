@@ -30,10 +30,10 @@ struct KvSegment {
   std::vector<BlockRef> blocks;
 };
 
-// How attention reads the blocks: the automatic choice uses the SIMD kernels
-// when the CPU has them, and for f32 K and V the exact reference sequence of
-// DenseKvCache (so an f32 pool reproduces its logits bit for bit).
-enum class AttendPath { automatic, scalar, simd, exact };
+// How attention reads the blocks: the automatic choice uses the best SIMD
+// kernels of the CPU, and for f32 K and V the exact reference sequence of
+// DenseKvCache (so an f32 pool reproduces its logits; see kv_attention.cpp).
+enum class AttendPath { automatic, scalar, avx2, avx512, exact };
 
 class PooledKvCache final : public KvCache {
  public:
