@@ -227,6 +227,7 @@ Descriptor SharePool::grant(const SealedContext& sealed, std::string_view produc
   g.record_generation = rec.generation;
   std::memset(g.grantee, 0, sizeof g.grantee);
   std::memcpy(g.grantee, grantee.data(), grantee.size());
+  g.holder_slot = reg.slot();
   g.state = kGrantLive;
   ++rec.grants;
   Descriptor d = descriptor_of(hd, rec, sealed.slot, g, gi);
@@ -312,6 +313,7 @@ OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool 
       reg.bump(kRejected);
       throw;
     }
+    reg.grant(d.grant_slot).holder_slot = kNone;  // delivered: out of the issuer's custody
     const ContextRecord& rec = reg.record(d.record_slot);
     const TokenId* ids = reg.tokens(d.record_slot);
     out.tokens.assign(ids, ids + rec.token_count);

@@ -54,7 +54,8 @@ class Registry final : public RefLedger {
   // Under the mutex: frees a record, dropping its block references.
   void free_record_locked(std::uint32_t r, KvPool* pool);
   // Under the mutex: reclaims slot `i` (a dead or departed process).
-  void reap_slot_locked(std::uint32_t i);
+  void reap_slot_locked(std::uint32_t i, bool crashed);
+  void release_custody_locked(std::uint32_t i) noexcept;
   int reap_locked();
   // Brings records left mid-change by a holder that died back to a state.
   void repair_locked();

@@ -23,7 +23,7 @@
 namespace qkvshare::share_detail {
 
 inline constexpr char kShareMagic[8] = {'Q', 'K', 'V', 'S', 'H', 'A', 'R', 'E'};
-inline constexpr std::uint32_t kShareVersion = 1;
+inline constexpr std::uint32_t kShareVersion = 2;  // 2: grants record their holder process
 inline constexpr std::size_t kShareHeaderBytes = 4096;
 inline constexpr std::uint32_t kNone = 0xffffffffu;
 inline constexpr std::size_t kSecretBytes = 32;
@@ -88,12 +88,17 @@ static_assert(sizeof(ContextRecord) == 192);
 
 enum GrantState : std::uint32_t { kGrantFree = 0, kGrantLive = 1 };
 
+// A grant is in the custody of the process that issued it until some process
+// opens it or the issuer exits cleanly; then it belongs to whoever carries
+// the descriptor (kNone). A crash of the holder voids it: nobody else may
+// ever have seen it.
 struct GrantSlot {
   std::uint32_t generation;
   std::uint32_t state;
   std::uint32_t record_slot, record_generation;
   char grantee[32];
-  std::uint8_t pad[16];
+  std::uint32_t holder_slot;
+  std::uint8_t pad[12];
 };
 static_assert(sizeof(GrantSlot) == 64);
 

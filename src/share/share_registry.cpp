@@ -89,6 +89,7 @@ Registry::~Registry() {
     leftovers = row_[b].load(std::memory_order_relaxed) != 0;
   try {
     RegistryLock lock(*this);
+    release_custody_locked(slot_);
     for (std::uint32_t r = 0; r < header().max_contexts && !leftovers; ++r)
       leftovers = record(r).state == kRecSealed && record(r).owner_slot == slot_;
     process(slot_).state.store(leftovers ? kProcExited : kProcFree, std::memory_order_release);
@@ -146,7 +147,6 @@ std::uint64_t hash_block(const KvPool& pool, BlockRef ref) {
   XXH3_freeState(st);
   return d;
 }
-
 
 std::uint64_t full_checksum(const KvPool& pool, const std::vector<BlockRef>& blocks) {
   std::vector<std::uint64_t> digests;
@@ -232,9 +232,30 @@ void Registry::repair_locked() {
   }
 }
 
-void Registry::reap_slot_locked(std::uint32_t i) {
+void Registry::release_custody_locked(std::uint32_t i) noexcept {
+  for (std::uint32_t g = 0; g < header().max_grants; ++g)
+    if (grant(g).state == kGrantLive && grant(g).holder_slot == i) grant(g).holder_slot = kNone;
+}
+
+void Registry::reap_slot_locked(std::uint32_t i, bool crashed) {
   ShareHeader& h = header();
   auto pool = maintenance_pool();
+  // Grants in its custody: a crash may have come between issuing a grant and
+  // passing it on, so nobody else can release it; a clean exit passed them on.
+  if (crashed) {
+    for (std::uint32_t gi = 0; gi < h.max_grants; ++gi) {
+      GrantSlot& g = grant(gi);
+      if (g.state != kGrantLive || g.holder_slot != i) continue;
+      g.state = kGrantFree;
+      ++g.generation;
+      ContextRecord& rec = record(g.record_slot);
+      if (rec.state != kRecSealed || rec.generation != g.record_generation) continue;
+      --rec.grants;
+      if (rec.grants == 0 && rec.owner_slot == kNone) free_record_locked(g.record_slot, pool.get());
+    }
+  } else {
+    release_custody_locked(i);
+  }
   // The producer claims it held.
   for (std::uint32_t r = 0; r < h.max_contexts; ++r) {
     ContextRecord& rec = record(r);
@@ -266,8 +287,9 @@ int Registry::reap_locked() {
     const ProcessSlot& p = process(i);
     const std::uint32_t s = p.state.load(std::memory_order_acquire);
     if (s == kProcFree) continue;
-    if (s == kProcExited || probe(p) == Liveness::dead) {
-      reap_slot_locked(i);
+    const bool exited = s == kProcExited;
+    if (exited || probe(p) == Liveness::dead) {
+      reap_slot_locked(i, !exited);
       ++reaped;
     }
   }
