@@ -137,8 +137,7 @@ struct FQ6_K : QBase<false> {
   static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
 };
 
-void quantize_block_rows(const float* x, std::int64_t n, std::int32_t bias_mult, std::int8_t* qs, float* d,
-                         float* dl, std::int32_t* bias, float* xs) {
+void quantize_block_rows(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& o) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (std::int64_t b = 0; b < n / 32; ++b) {
     __m256 v[4];
@@ -155,7 +154,7 @@ void quantize_block_rows(const float* x, std::int64_t n, std::int32_t bias_mult,
     float db = amax / 127.0f;
     float id = 1.0f / db;
     if (!(amax >= kActFlush)) db = id = 0.0f;
-    d[b] = db;
+    o.d[b] = db;
     __m256i q[4];
     for (int i = 0; i < 4; ++i)
       q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)), _mm256_set1_ps(-127.0f)),
@@ -163,11 +162,17 @@ void quantize_block_rows(const float* x, std::int64_t n, std::int32_t bias_mult,
     // packs work within 128-bit lanes; the permute restores element order.
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     const __m256i q8 = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + 32 * b), q8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.qs + 32 * b), q8);
     const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q8), _mm256_set1_epi16(1));
-    _mm256_storeu_ps(dl + 8 * b, _mm256_set1_ps(db));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bias + 8 * b), _mm256_mullo_epi32(sums, _mm256_set1_epi32(bias_mult)));
-    _mm256_storeu_ps(xs + 8 * b, _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(sums)));
+    _mm256_storeu_ps(o.dl + 8 * b, _mm256_set1_ps(db));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.bias + 8 * b), _mm256_mullo_epi32(sums, _mm256_set1_epi32(bias_mult)));
+    _mm256_storeu_ps(o.xs + 8 * b, _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(sums)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    const int block_sum = _mm_cvtsi128_si32(s4);
+    o.bsum[b] = bias_mult * block_sum;
+    o.s[b] = db * static_cast<float>(block_sum);
   }
 }
 
@@ -177,9 +182,8 @@ void gemm_q8_0(const GemmArgs& a) { gemm_tiled<FQ8_0, 2, 2>(a); }
 void gemm_q4_0(const GemmArgs& a) { gemm_tiled<FQ4_0, 2, 2>(a); }
 void gemm_q4_1(const GemmArgs& a) { gemm_tiled<FQ4_1, 2, 2>(a); }
 void gemm_q6_k(const GemmArgs& a) { gemm_tiled<FQ6_K, 2, 2>(a); }
-void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, std::int8_t* qs, float* d, float* dl,
-                  std::int32_t* bias, float* xs) {
-  quantize_block_rows(x, n, bias_mult, qs, d, dl, bias, xs);
+void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out) {
+  quantize_block_rows(x, n, bias_mult, out);
 }
 
 }  // namespace qkvshare::kernels::detail::avx2

@@ -17,8 +17,7 @@ namespace qkvshare::kernels::detail {
 
 namespace {
 
-void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, std::int8_t* qs, float* d, float* dl,
-                  std::int32_t* bias, float* xs) {
+void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& o) {
   for (std::int64_t b = 0; b < n / kQK; ++b) {
     const float* xb = x + kQK * b;
     float amax = 0.0f;
@@ -27,20 +26,24 @@ void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, std::i
     float db = amax / 127.0f;
     float id = 1.0f / db;
     if (!(amax >= kActFlush)) db = id = 0.0f;
-    d[b] = db;
+    o.d[b] = db;
+    int block_sum = 0;
     for (int g = 0; g < kQK / 4; ++g) {
       int sum = 0;
       for (int j = 0; j < 4; ++j) {
         // Clamp before rounding so that no input (inf, NaN) makes the int conversion undefined.
         const float v = std::fmin(std::fmax(xb[4 * g + j] * id, -127.0f), 127.0f);
         const int q = static_cast<int>(std::nearbyint(v));
-        qs[kQK * b + 4 * g + j] = static_cast<std::int8_t>(q);
+        o.qs[kQK * b + 4 * g + j] = static_cast<std::int8_t>(q);
         sum += q;
       }
-      dl[8 * b + g] = db;
-      bias[8 * b + g] = bias_mult * sum;
-      xs[8 * b + g] = db * static_cast<float>(sum);
+      o.dl[8 * b + g] = db;
+      o.bias[8 * b + g] = bias_mult * sum;
+      o.xs[8 * b + g] = db * static_cast<float>(sum);
+      block_sum += sum;
     }
+    o.bsum[b] = bias_mult * block_sum;
+    o.s[b] = db * static_cast<float>(block_sum);
   }
 }
 

@@ -22,6 +22,9 @@ struct ActQ8 {
   const float* dl = nullptr;          // [t * cols / 4 + g]: d of the group's block
   const std::int32_t* bias = nullptr;  // [t * cols / 4 + g]: bias_mult * sum of the group's 4 q
   const float* xs = nullptr;          // [t * cols / 4 + g]: d * sum of the group's 4 q (Q4_1's min term)
+  // The same per block, for kernels whose 32-bit lanes each hold a whole block.
+  const std::int32_t* bsum = nullptr;  // [t * cols / 32 + b]: bias_mult * sum of the block's q
+  const float* s = nullptr;            // [t * cols / 32 + b]: d * sum of the block's q
   std::int64_t cols = 0;
 };
 
@@ -45,10 +48,18 @@ struct GemmArgs {
 };
 using GemmFn = void (*)(const GemmArgs&);
 
-// Quantizes one token row: n values (n % 32 == 0) into the ActQ8 arrays at
-// that row's offsets. Every ISA must produce the same bytes as the portable one.
-using QuantizeActFn = void (*)(const float* x, std::int64_t n, std::int32_t bias_mult, std::int8_t* qs, float* d,
-                               float* dl, std::int32_t* bias, float* xs);
+// Quantizes one token row: n values (n % 32 == 0) into the ActQ8 arrays,
+// each pointer at that row's offset. Every ISA must produce the same bytes as the portable one.
+struct ActQ8Out {
+  std::int8_t* qs;
+  float* d;
+  float* dl;
+  std::int32_t* bias;
+  float* xs;
+  std::int32_t* bsum;
+  float* s;
+};
+using QuantizeActFn = void (*)(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out);
 
 // out = softmax(q . k_j * scale) . v_j over j < n_keys (see attention.hpp).
 using AttendFn = void (*)(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys,
@@ -91,8 +102,7 @@ const KernelTable& portable_table() noexcept;
   void gemm_q4_0(const GemmArgs& a);                                                                         \
   void gemm_q4_1(const GemmArgs& a);                                                                         \
   void gemm_q6_k(const GemmArgs& a);                                                                         \
-  void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, std::int8_t* qs, float* d,        \
-                    float* dl, std::int32_t* bias, float* xs);                                               \
+  void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out);           \
   void attend(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys,       \
               int head_dim, float scale, float* scores, float* out);                                        \
   void silu_mul(float* gate, const float* up, std::int64_t n);

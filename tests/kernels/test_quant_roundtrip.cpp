@@ -110,13 +110,15 @@ TEST(ActivationQuantizer, EveryLevelMatchesPortableByteForByte) {
   x[260] = std::numeric_limits<float>::quiet_NaN();
   struct Out {
     std::vector<std::int8_t> qs = std::vector<std::int8_t>(n);
-    std::vector<float> d = std::vector<float>(n / 32), dl = std::vector<float>(n / 4), xs = std::vector<float>(n / 4);
-    std::vector<std::int32_t> bias = std::vector<std::int32_t>(n / 4);
+    std::vector<float> d = std::vector<float>(n / 32), dl = std::vector<float>(n / 4), xs = std::vector<float>(n / 4),
+                       s = std::vector<float>(n / 32);
+    std::vector<std::int32_t> bias = std::vector<std::int32_t>(n / 4), bsum = std::vector<std::int32_t>(n / 32);
   };
   const auto run = [&](Isa isa) {
     const IsaGuard guard(isa);
     Out o;
-    detail::kernels().quantize_act(x.data(), n, -8, o.qs.data(), o.d.data(), o.dl.data(), o.bias.data(), o.xs.data());
+    const detail::ActQ8Out out{o.qs.data(), o.d.data(), o.dl.data(), o.bias.data(), o.xs.data(), o.bsum.data(), o.s.data()};
+    detail::kernels().quantize_act(x.data(), n, -8, out);
     return o;
   };
   const Out ref = run(Isa::portable);
@@ -129,7 +131,11 @@ TEST(ActivationQuantizer, EveryLevelMatchesPortableByteForByte) {
     const Out o = run(isa);
     EXPECT_EQ(o.qs, ref.qs) << isa_name(isa);
     EXPECT_EQ(o.bias, ref.bias) << isa_name(isa);
-    for (std::size_t i = 0; i < ref.d.size(); ++i) ASSERT_EQ(std::bit_cast<std::uint32_t>(o.d[i]), std::bit_cast<std::uint32_t>(ref.d[i])) << isa_name(isa) << " block " << i;
+    EXPECT_EQ(o.bsum, ref.bsum) << isa_name(isa);
+    for (std::size_t i = 0; i < ref.d.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(o.d[i]), std::bit_cast<std::uint32_t>(ref.d[i])) << isa_name(isa) << " block " << i;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(o.s[i]), std::bit_cast<std::uint32_t>(ref.s[i])) << isa_name(isa) << " block " << i;
+    }
     for (std::size_t i = 0; i < ref.dl.size(); ++i) {
       ASSERT_EQ(std::bit_cast<std::uint32_t>(o.dl[i]), std::bit_cast<std::uint32_t>(ref.dl[i])) << isa_name(isa);
       ASSERT_EQ(std::bit_cast<std::uint32_t>(o.xs[i]), std::bit_cast<std::uint32_t>(ref.xs[i])) << isa_name(isa);

@@ -1,0 +1,240 @@
+// AVX-512 + VNNI kernels of Q4_0, Q4_1 and Q8_0 weights on 16-row tiles.
+// Built with AVX-512 flags; reached only through isa.cpp after the CPU check.
+//
+// A block column of 16 rows (16 x 32 codes) is transposed so that 32-bit
+// lane r of vector k holds codes 4k..4k+3 of row r. Eight vpdpbusd, each with
+// 4 activation bytes broadcast from memory, then leave row r's whole integer
+// block dot in lane r: one conversion and two FMAs per block serve 16 rows,
+// where a row-major layout needs them per 4 codes of one row, and the 16
+// results are stored without horizontal sums. The transposition is a few
+// shuffles per block; prefill decodes a tile once into a buffer and reuses it
+// for every token of a chunk, decode streams it. Both run the same arithmetic
+// per output, in the same order: a token's result does not depend on its batch.
+#include <cstddef>
+#include <cstring>
+#include <new>
+
+#include "kernel_table.hpp"
+#include "qkvshare/kernels/quant.hpp"  // block layouts only
+#include "simd_intrin.hpp"
+
+namespace qkvshare::kernels::detail::avx512 {
+namespace {
+
+constexpr int kRows = 16;
+
+// One 32-block column of a tile, decoded: unsigned codes u (q + offset, the
+// offset removed by ActQ8::bsum), the scale and (Q4_1) the minimum per row.
+struct Tile {
+  __m512i w[8];
+  __m512 d;
+  __m512 m;
+};
+
+struct RowTile {
+  const std::uint8_t* base;        // row r0
+  alignas(64) std::int32_t off[kRows];  // row r - row r0 in bytes; rows past the matrix repeat its last row
+  __mmask16 valid;                 // the rows that exist (only they are stored)
+  const std::uint8_t* row(int r) const { return base + off[r]; }
+};
+
+RowTile row_tile(const GemmArgs& a, std::int64_t r0) {
+  RowTile t;
+  const std::int64_t n = a.n_rows - r0 < kRows ? a.n_rows - r0 : kRows;
+  t.base = a.w + static_cast<std::size_t>(r0) * a.row_bytes;
+  for (int r = 0; r < kRows; ++r) t.off[r] = static_cast<std::int32_t>(static_cast<std::size_t>(r < n ? r : n - 1) * a.row_bytes);
+  t.valid = static_cast<__mmask16>((1u << n) - 1u);
+  return t;
+}
+
+// The first 4 bytes of block b in each row (f16 d, then f16 m or codes).
+[[gnu::always_inline]] inline __m512i gather_heads(const RowTile& t, std::int64_t b, std::size_t block_bytes) {
+  return _mm512_i32gather_epi32(_mm512_load_si512(t.off), t.base + static_cast<std::size_t>(b) * block_bytes, 1);
+}
+inline __m512 low_f16(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+
+// Codes of 4-bit blocks: 16 bytes per row, transposed 4x4 within each
+// 128-bit lane (lane L of Z_j holds row j + 4L), then split into nibbles:
+// byte j holds codes j (low) and j + 16 (high).
+template <class Block>
+[[gnu::always_inline]] inline void transpose_nibbles(const RowTile& t, std::int64_t b, Tile& out) {
+  __m512i z[4];
+  for (int j = 0; j < 4; ++j) {
+    const auto qs = [&](int r) {
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const Block*>(t.row(r))[b].qs));
+    };
+    __m512i v = _mm512_castsi128_si512(qs(j));
+    v = _mm512_inserti32x4(v, qs(j + 4), 1);
+    v = _mm512_inserti32x4(v, qs(j + 8), 2);
+    z[j] = _mm512_inserti32x4(v, qs(j + 12), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  const __m512i raw[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
+                          _mm512_unpackhi_epi64(t1, t3)};
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < 4; ++c) {
+    out.w[c] = _mm512_and_si512(raw[c], lo4);
+    out.w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw[c], 4), lo4);
+  }
+}
+
+// Codes of Q8_0: 32 bytes per row, transposed 8x8 within each 256-bit half
+// (half H of Z_j holds row j + 8H), then offset to unsigned.
+[[gnu::always_inline]] inline void transpose_bytes32(const RowTile& t, std::int64_t b, Tile& out) {
+  __m512i z[8];
+  for (int j = 0; j < 8; ++j) {
+    const auto qs = [&](int r) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const BlockQ8_0*>(t.row(r))[b].qs));
+    };
+    z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(qs(j)), qs(j + 8), 1);
+  }
+  __m512i u[8];
+  for (int h = 0; h < 2; ++h) {  // rows 0-3 and 4-7 of each half
+    const __m512i* zz = z + 4 * h;
+    const __m512i t0 = _mm512_unpacklo_epi32(zz[0], zz[1]), t1 = _mm512_unpackhi_epi32(zz[0], zz[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(zz[2], zz[3]), t3 = _mm512_unpackhi_epi32(zz[2], zz[3]);
+    u[4 * h + 0] = _mm512_unpacklo_epi64(t0, t2);
+    u[4 * h + 1] = _mm512_unpackhi_epi64(t0, t2);
+    u[4 * h + 2] = _mm512_unpacklo_epi64(t1, t3);
+    u[4 * h + 3] = _mm512_unpackhi_epi64(t1, t3);
+  }
+  // u[c] / u[4 + c]: dwords c (128-bit lanes 0, 2) and c + 4 (lanes 1, 3) of rows 0-3 / 4-7 of each half.
+  const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int c = 0; c < 4; ++c) {
+    out.w[c] = _mm512_xor_si512(_mm512_permutex2var_epi64(u[c], lo, u[4 + c]), flip);
+    out.w[c + 4] = _mm512_xor_si512(_mm512_permutex2var_epi64(u[c], hi, u[4 + c]), flip);
+  }
+}
+
+struct FQ4_0 {
+  static constexpr bool kMin = false;
+  [[gnu::always_inline]] static void decode(const RowTile& t, std::int64_t b, Tile& out) {
+    transpose_nibbles<BlockQ4_0>(t, b, out);
+    out.d = low_f16(gather_heads(t, b, sizeof(BlockQ4_0)));
+  }
+};
+
+struct FQ4_1 {
+  static constexpr bool kMin = true;
+  [[gnu::always_inline]] static void decode(const RowTile& t, std::int64_t b, Tile& out) {
+    transpose_nibbles<BlockQ4_1>(t, b, out);
+    const __m512i dm = gather_heads(t, b, sizeof(BlockQ4_1));
+    out.d = low_f16(dm);
+    out.m = low_f16(_mm512_srli_epi32(dm, 16));
+  }
+};
+
+struct FQ8_0 {
+  static constexpr bool kMin = false;
+  [[gnu::always_inline]] static void decode(const RowTile& t, std::int64_t b, Tile& out) {
+    transpose_bytes32(t, b, out);
+    out.d = low_f16(gather_heads(t, b, sizeof(BlockQ8_0)));
+  }
+};
+
+// acc[t] += the 16 rows' dots with block b of token t0 + t.
+template <bool kMin, int T>
+inline void mac(__m512* acc, const Tile& w, const ActQ8& act, std::int64_t t0, std::int64_t b) {
+  const std::int64_t nb = act.cols / 32;
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    const std::int64_t blk = (t0 + t) * nb + b;
+    const std::int8_t* x = act.qs + 32 * blk;
+    __m512i p = _mm512_set1_epi32(act.bsum[blk]);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      std::int32_t x4;
+      std::memcpy(&x4, x + 4 * k, 4);
+      p = _mm512_dpbusd_epi32(p, w.w[k], _mm512_set1_epi32(x4));
+    }
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w.d, _mm512_set1_ps(act.d[blk])), acc[t]);
+    if constexpr (kMin) acc[t] = _mm512_fmadd_ps(w.m, _mm512_set1_ps(act.s[blk]), acc[t]);
+  }
+}
+
+template <int T>
+inline void store(const GemmArgs& a, const RowTile& rt, std::int64_t r0, std::int64_t t0, const __m512* acc) {
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.ldy + r0, rt.valid, acc[t]);
+}
+
+// The next tile's rows, one cache line ahead of where this tile reads, so
+// that DRAM latency overlaps the work (decode streams every byte once).
+inline void prefetch_next(const GemmArgs& a, const RowTile& rt, std::int64_t b, std::size_t block_bytes) {
+  const std::size_t off = static_cast<std::size_t>(b) * block_bytes;
+  if (b > 0 && off / 64 == (off - block_bytes) / 64) return;  // still in the line fetched before
+  const std::size_t ahead = kRows * a.row_bytes;
+  for (int r = 0; r < kRows; ++r) __builtin_prefetch(rt.row(r) + ahead + off + 64, 0, 3);
+}
+
+template <class F>
+void gemv_rows(const GemmArgs& a, const RowTile& rt, std::int64_t r0, std::size_t block_bytes) {
+  const std::int64_t nb = a.cols / 32;
+  __m512 acc[1] = {_mm512_setzero_ps()};
+  for (std::int64_t b = 0; b < nb; ++b) {
+    prefetch_next(a, rt, b, block_bytes);
+    Tile w;
+    F::decode(rt, b, w);
+    mac<F::kMin, 1>(acc, w, a.act, 0, b);
+  }
+  store<1>(a, rt, r0, 0, acc);
+}
+
+template <class F, int T>
+void tokens_from_buffer(const GemmArgs& a, const RowTile& rt, std::int64_t r0, const Tile* buf, std::int64_t t0) {
+  __m512 acc[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (std::int64_t b = 0; b < a.cols / 32; ++b) mac<F::kMin, T>(acc, buf[b], a.act, t0, b);
+  store<T>(a, rt, r0, t0, acc);
+}
+
+Tile* tile_buffer(std::size_t n) {
+  struct Buffer {
+    Tile* p = nullptr;
+    std::size_t cap = 0;
+    ~Buffer() { ::operator delete[](p, std::align_val_t(64)); }
+  };
+  thread_local Buffer b;
+  if (b.cap < n) {
+    ::operator delete[](b.p, std::align_val_t(64));
+    b.p = static_cast<Tile*>(::operator new[](n * sizeof(Tile), std::align_val_t(64)));
+    b.cap = n;
+  }
+  return b.p;
+}
+
+// Prefill: tokens go in chunks whose activations stay in L2; within a chunk
+// each 16-row tile is decoded once into this thread's buffer and swept over
+// the chunk's tokens, kT at a time.
+template <class F, std::size_t kBlockBytes>
+void gemm_rows(const GemmArgs& a) {
+  const std::int64_t nb = a.cols / 32;
+  if (a.n_tokens == 1) {
+    for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) gemv_rows<F>(a, row_tile(a, r0), r0, kBlockBytes);
+    return;
+  }
+  constexpr int kT = 8;
+  constexpr std::int64_t kTokenChunk = 64;
+  Tile* buf = tile_buffer(static_cast<std::size_t>(nb));
+  for (std::int64_t tc = 0; tc < a.n_tokens; tc += kTokenChunk) {
+    const std::int64_t tc_end = tc + kTokenChunk < a.n_tokens ? tc + kTokenChunk : a.n_tokens;
+    for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) {
+      const RowTile rt = row_tile(a, r0);
+      for (std::int64_t b = 0; b < nb; ++b) F::decode(rt, b, buf[b]);
+      std::int64_t t = tc;
+      for (; t + kT <= tc_end; t += kT) tokens_from_buffer<F, kT>(a, rt, r0, buf, t);
+      for (; t < tc_end; ++t) tokens_from_buffer<F, 1>(a, rt, r0, buf, t);
+    }
+  }
+}
+
+}  // namespace
+
+void gemm_q8_0(const GemmArgs& a) { gemm_rows<FQ8_0, sizeof(BlockQ8_0)>(a); }
+void gemm_q4_0(const GemmArgs& a) { gemm_rows<FQ4_0, sizeof(BlockQ4_0)>(a); }
+void gemm_q4_1(const GemmArgs& a) { gemm_rows<FQ4_1, sizeof(BlockQ4_1)>(a); }
+
+}  // namespace qkvshare::kernels::detail::avx512
