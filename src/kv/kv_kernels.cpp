@@ -43,9 +43,14 @@ int unpack_code(const std::byte* row, int i, int bits) {
 // inv = 1 / scale (0 when the scale is 0: every code is 0).
 float inverse(float s) { return s > 0.0f && std::isfinite(s) ? 1.0f / s : 0.0f; }
 
+// Round half up by truncation (codes below 0 clamp to 0 anyway): unlike
+// nearbyint it compiles to plain SSE2 conversions, and the grid search of
+// fit_params calls it 36 times per value.
+inline float code_of(float x, float inv, float m, float qmax) {
+  return static_cast<float>(static_cast<int>(std::min(std::max((x - m) * inv + 0.5f, 0.0f), qmax + 0.25f)));
+}
 std::uint8_t quantize_one(float x, float inv, float m, int qmax) {
-  const float q = std::nearbyint((x - m) * inv);
-  return static_cast<std::uint8_t>(std::clamp(q, 0.0f, static_cast<float>(qmax)));
+  return static_cast<std::uint8_t>(code_of(x, inv, m, static_cast<float>(qmax)));
 }
 
 // (scale, min) for `lo`..`hi`, both rounded to f16 as stored. The scale is
@@ -58,36 +63,51 @@ void params_for(float lo, float hi, int qmax, std::uint16_t& s16, std::uint16_t&
 // (scale, min) for n values x[i * stride]. At 8 bits the full range is used;
 // at 2-4 bits clipping a little of either end usually lowers the squared
 // error (the extremes are rare and a coarse grid wastes codes on them), so a
-// small grid of clipped ranges is tried and the best kept, measured with the
-// f16-rounded parameters the decoder will use.
+// 6 x 6 grid of ranges clipped at either end is tried and the best kept.
 void fit_params(const float* x, int n, int stride, int qmax, std::uint16_t& s16, std::uint16_t& m16) {
+  float v[4096];  // the values, contiguous, so the error loop below vectorizes
+  QKV_CHECK(n <= 4096);
   float lo = x[0], hi = x[0];
-  for (int i = 1; i < n; ++i) {
-    lo = std::min(lo, x[i * stride]);
-    hi = std::max(hi, x[i * stride]);
+  for (int i = 0; i < n; ++i) {
+    v[i] = x[i * stride];
+    lo = std::min(lo, v[i]);
+    hi = std::max(hi, v[i]);
   }
   params_for(lo, hi, qmax, s16, m16);
   if (qmax >= 255 || !(hi > lo)) return;
-  const auto sse = [&](std::uint16_t s_, std::uint16_t m_) {
-    const float sc = fp16_to_fp32(s_), mn = fp16_to_fp32(m_), inv = inverse(sc);
+  // The search compares unrounded ranges (cheap); only the winner is rounded to f16.
+  const float top = static_cast<float>(qmax);
+  const auto sse = [&](float l, float h) {
+    const float sc = (h - l) / top, inv = top / (h - l);
     float e = 0.0f;
+#pragma omp simd reduction(+ : e)
     for (int i = 0; i < n; ++i) {
-      const float v = x[i * stride];
-      const float d = v - (static_cast<float>(quantize_one(v, inv, mn, qmax)) * sc + mn);
+      const float d = v[i] - (code_of(v[i], inv, l, top) * sc + l);
       e += d * d;
     }
     return e;
   };
-  float best = sse(s16, m16);
+  float best = sse(lo, hi), best_lo = lo, best_hi = hi;
   const float range = hi - lo, step = qmax <= 3 ? 0.04f : 0.02f;
   for (int a = 0; a < 6; ++a)
     for (int b = 0; b < 6; ++b) {
-      if (a == 0 && b == 0) continue;
-      std::uint16_t s_ = 0, m_ = 0;
-      params_for(lo + range * step * static_cast<float>(a), hi - range * step * static_cast<float>(b), qmax, s_, m_);
-      const float e = sse(s_, m_);
-      if (e < best) best = e, s16 = s_, m16 = m_;
+      const float l = lo + range * step * static_cast<float>(a), h = hi - range * step * static_cast<float>(b);
+      const float e = sse(l, h);
+      if (e < best) best = e, best_lo = l, best_hi = h;
     }
+  // Keep the rounded winner only if it still beats the rounded full range.
+  const auto sse16 = [&](std::uint16_t s_, std::uint16_t m_) {
+    const float sc = fp16_to_fp32(s_), mn = fp16_to_fp32(m_), inv = inverse(sc);
+    float e = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const float d = v[i] - (code_of(v[i], inv, mn, top) * sc + mn);
+      e += d * d;
+    }
+    return e;
+  };
+  std::uint16_t s_ = 0, m_ = 0;
+  params_for(best_lo, best_hi, qmax, s_, m_);
+  if (sse16(s_, m_) < sse16(s16, m16)) s16 = s_, m16 = m_;
 }
 
 }  // namespace

@@ -45,6 +45,39 @@ inline __m512 unpack16(const std::byte* units) {
   }
 }
 
+// 32 4-bit codes (16 bytes: byte k holds elements 2k and 2k + 1): one widening
+// load, low and high nibbles, and two lane interleaves into element order.
+inline void unpack32_4bit(const std::byte* p, __m512& first, __m512& second) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(b, 4);
+  const __m512i i0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  first = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, i0, hi));
+  second = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, i1, hi));
+}
+
+// One row: out[v] = code[v] * s(v) + m(v) for the 16-lane vectors of the row.
+template <int Bits, typename Params>
+inline void decode_row(const std::byte* row, float* o, int vecs, const Params& params) {
+  int v = 0;
+  if constexpr (Bits == 4) {
+    for (; v + 2 <= vecs; v += 2) {
+      __m512 a, b;
+      unpack32_4bit(row + v * 8, a, b);
+      __m512 s, m;
+      params(v, s, m);
+      _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(a, s, m));
+      params(v + 1, s, m);
+      _mm512_storeu_ps(o + v * 16 + 16, _mm512_fmadd_ps(b, s, m));
+    }
+  }
+  for (; v < vecs; ++v) {
+    __m512 s, m;
+    params(v, s, m);
+    _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(unpack16<Bits>(row + v * 2 * Bits), s, m));
+  }
+}
+
 template <int Bits>
 void decode_quant(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
   const int D = l.head_dim, vecs = D / 16;
@@ -56,13 +89,13 @@ void decode_quant(const KvCodec& codec, const TileLayout& l, const std::byte* ti
       _mm512_store_ps(sf + v * 16, load_f16x16(scales + v * 16));
       _mm512_store_ps(mf + v * 16, load_f16x16(mins + v * 16));
     }
-    for (int j = 0; j < n_rows; ++j) {
-      const std::byte* row = tile + static_cast<std::size_t>(j) * l.row_bytes;
-      float* o = out + static_cast<std::size_t>(j) * D;
-      for (int v = 0; v < vecs; ++v)
-        _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(unpack16<Bits>(row + v * 2 * Bits), _mm512_load_ps(sf + v * 16),
-                                                     _mm512_load_ps(mf + v * 16)));
-    }
+    const auto params = [&](int v, __m512& s, __m512& m) {
+      s = _mm512_load_ps(sf + v * 16);
+      m = _mm512_load_ps(mf + v * 16);
+    };
+    for (int j = 0; j < n_rows; ++j)
+      decode_row<Bits>(tile + static_cast<std::size_t>(j) * l.row_bytes, out + static_cast<std::size_t>(j) * D, vecs,
+                       params);
     return;
   }
   const int G = effective_group(codec, D), groups = D / G;
@@ -80,18 +113,18 @@ void decode_quant(const KvCodec& codec, const TileLayout& l, const std::byte* ti
       _mm256_store_ps(mf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + p0 + i))));
     }
     for (int j = j0; j < j1; ++j) {
-      const std::byte* row = tile + static_cast<std::size_t>(j) * l.row_bytes;
-      float* o = out + static_cast<std::size_t>(j) * D;
       const float* sg = sf + (j - j0) * groups;
       const float* mg = mf + (j - j0) * groups;
-      for (int v = 0; v < vecs; ++v) {
-        __m512 s = _mm512_set1_ps(sg[ga[v]]), m = _mm512_set1_ps(mg[ga[v]]);
+      const auto params = [&](int v, __m512& s, __m512& m) {
+        s = _mm512_set1_ps(sg[ga[v]]);
+        m = _mm512_set1_ps(mg[ga[v]]);
         if (gb[v] != ga[v]) {
           s = _mm512_insertf32x8(s, _mm256_set1_ps(sg[gb[v]]), 1);
           m = _mm512_insertf32x8(m, _mm256_set1_ps(mg[gb[v]]), 1);
         }
-        _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(unpack16<Bits>(row + v * 2 * Bits), s, m));
-      }
+      };
+      decode_row<Bits>(tile + static_cast<std::size_t>(j) * l.row_bytes, out + static_cast<std::size_t>(j) * D, vecs,
+                       params);
     }
   }
 }

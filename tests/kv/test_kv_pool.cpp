@@ -177,3 +177,60 @@ TEST(KvPool, BadGeometryIsRejected) {
 
 }  // namespace
 }  // namespace qkvshare
+
+namespace qkvshare {
+namespace {
+
+struct CountingLedger final : RefLedger {
+  std::vector<int> held = std::vector<int>(4096, 0);
+  void taken(std::uint32_t b) noexcept override { ++held[b]; }
+  void dropping(std::uint32_t b) noexcept override { --held[b]; }
+};
+
+TEST(KvPool, LedgerSeesEveryReferenceTakenAndDropped) {
+  auto pool = make_pool(1 << 20);
+  CountingLedger ledger;
+  pool->set_ledger(&ledger);
+  const BlockRef a = pool->allocate(KvCodec::f16(), KvCodec::f16(), 0);
+  pool->retain(a);
+  EXPECT_TRUE(pool->try_retain(a));
+  EXPECT_EQ(ledger.held[a.index], 3);
+  pool->release(a);
+  pool->release(a);
+  EXPECT_EQ(ledger.held[a.index], 1);
+  pool->release(a);
+  EXPECT_FALSE(pool->try_retain(a));  // a refused retain is not a reference
+  for (int h : ledger.held) EXPECT_EQ(h, 0);
+  EXPECT_FALSE(pool->live_ref(a.index).valid());
+  const BlockRef b = pool->allocate(KvCodec::f16(), KvCodec::f16(), 0);
+  EXPECT_EQ(pool->live_ref(b.index), b);
+  pool->release(b);
+  pool->set_ledger(nullptr);
+}
+
+TEST(KvPool, RebuildingTheFreeListsKeepsLiveBlocks) {
+  auto pool = make_pool(1 << 20);
+  std::vector<BlockRef> live;
+  for (int i = 0; i < 10; ++i) live.push_back(pool->allocate(KvCodec::f16(), KvCodec::f16(), 0));
+  for (int i = 0; i < 10; i += 2) pool->release(live[static_cast<std::size_t>(i)]);
+  const PoolCounters before = pool->counters();
+  pool->rebuild_free_lists();
+  const PoolCounters after = pool->counters();
+  EXPECT_EQ(after.blocks_used, before.blocks_used);
+  EXPECT_EQ(after.pages_free, before.pages_free);
+  // Allocating everything left never hands out a page a live block holds.
+  std::memset(pool->tile(live[1], 0, 0, 0), 0x77, 64);
+  std::vector<BlockRef> more;
+  try {
+    for (;;) more.push_back(pool->allocate(KvCodec::f16(), KvCodec::f16(), 0));
+  } catch (const Error&) {
+  }
+  for (const BlockRef r : more) std::memset(pool->tile(r, 0, 0, 0), 0, 64);
+  EXPECT_EQ(pool->tile(live[1], 0, 0, 0)[63], std::byte{0x77});
+  for (const BlockRef r : more) pool->release(r);
+  for (int i = 1; i < 10; i += 2) pool->release(live[static_cast<std::size_t>(i)]);
+  EXPECT_EQ(pool->counters().pages_free, pool->counters().pages_total);
+}
+
+}  // namespace
+}  // namespace qkvshare

@@ -205,3 +205,45 @@ TEST(PooledKvCache, ExhaustionFailsTheRequestAndKeepsOtherContexts) {
 
 }  // namespace
 }  // namespace qkvshare
+
+namespace qkvshare {
+namespace {
+
+TEST(PooledKvCache, AdoptTakesItsOwnReferencesAndChecksTheBlocks) {
+  ThreadPool threads(1);
+  const KvShape s{2, 4, 2, 8};
+  auto pool = KvPool::create(PoolConfig{s, 8, 1 << 20});
+  const KvFormat f = KvFormat::parse("int4");
+  auto a = std::make_unique<PooledKvCache>(pool, f, 128);
+  const auto history = testing::random_pass(s, 21, 1);
+  testing::run_pass(*a, history, 21, threads);
+  const auto blocks = a->segments()[0].blocks;
+  auto b = PooledKvCache::adopt(pool, f, 128, a->segments(), 21);
+  EXPECT_EQ(pool->info(blocks[0]).refcount, 2u);
+  // The adopted context continues exactly like the original would.
+  const auto next = testing::random_pass(s, 4, 2);
+  const auto out_b = testing::run_pass(*b, next, 4, threads);
+  EXPECT_EQ(testing::run_pass(*a, next, 4, threads), out_b);
+  const auto expect_code = [&](ErrorCode code, const std::vector<KvSegment>& segs, const KvFormat& fmt, int tokens) {
+    try {
+      PooledKvCache::adopt(pool, fmt, 128, segs, tokens);
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+    }
+  };
+  const std::vector<KvSegment> segs{KvSegment{0, blocks}};
+  expect_code(ErrorCode::invalid_argument, segs, f, 40);                       // 3 blocks cannot hold 40 tokens
+  expect_code(ErrorCode::invalid_argument, segs, KvFormat::parse("int2"), 21);  // other codecs
+  std::vector<KvSegment> stale = segs;
+  stale[0].blocks[1].generation += 1;
+  expect_code(ErrorCode::bad_descriptor, stale, f, 21);
+  const PoolCounters before = pool->counters();
+  a.reset();
+  b.reset();
+  EXPECT_LT(pool->counters().blocks_used, before.blocks_used);
+  EXPECT_EQ(pool->counters().blocks_used, 0u);  // failed adopts gave back what they took
+}
+
+}  // namespace
+}  // namespace qkvshare

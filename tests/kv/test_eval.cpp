@@ -1,0 +1,78 @@
+// The KV quality evaluation (engine/eval.cpp, qkvshare eval) on stories260K.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/engine/eval.hpp"
+#include "test_paths.hpp"
+
+namespace qkvshare {
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+TEST(KvEval, ReferenceRowIsExactAndFormatsAreOrdered) {
+  auto model = Model::load(testing::shared_path("models/stories260K.bin"), testing::shared_path("models/tok512.bin"));
+  const auto tokens = model->tokenizer().encode(slurp(testing::shared_path("data/tinystories-valid-sample.txt")));
+  Engine engine(*model, EngineOptions{2});
+  const std::vector<KvFormat> formats{KvFormat::parse("f16"), KvFormat::parse("int8"), KvFormat::parse("int2")};
+  EvalOptions o;
+  o.ctx = 128;
+  o.max_scored = 300;
+  o.decode_tokens = 4;
+  int progress_lines = 0;
+  o.progress = [&](const std::string&) { ++progress_lines; };
+  const EvalReport r = evaluate_kv(engine, tokens, formats, o);
+  EXPECT_EQ(r.windows, 5);  // 64 scored per window (the second half): 5 windows reach 300
+  EXPECT_EQ(r.scored, 320);
+  ASSERT_EQ(r.results.size(), 4u);
+  EXPECT_EQ(r.results[0].format, "f32");
+  EXPECT_EQ(r.results[0].mean_kl, 0.0);
+  EXPECT_EQ(r.results[0].top1, 1.0);
+  EXPECT_EQ(r.results[0].ppl_delta_pct, 0.0);
+  EXPECT_GT(r.results[0].ppl, 1.0);
+  EXPECT_LT(r.results[0].ppl, 50.0);
+  EXPECT_LT(r.results[1].mean_kl, 1e-4);  // f16: no activation rounding in this f32 model
+  EXPECT_LT(r.results[1].mean_kl, r.results[2].mean_kl);
+  EXPECT_LT(r.results[2].mean_kl, r.results[3].mean_kl);
+  EXPECT_GT(r.results[3].p99_kl, r.results[3].mean_kl);
+  EXPECT_DOUBLE_EQ(r.results[1].bits_per_element, 16.0);
+  EXPECT_LT(r.results[3].bits_per_element, r.results[2].bits_per_element);
+  for (const EvalFormatResult& f : r.results) {
+    EXPECT_EQ(f.scored, 320);
+    EXPECT_GT(f.decode_tokens_per_s, 0.0);
+    EXPECT_TRUE(std::isfinite(f.ppl));
+  }
+  EXPECT_EQ(progress_lines, 5 * 4 + 4);
+  // Bad requests name what is wrong.
+  o.ctx = 100000;
+  EXPECT_THROW(evaluate_kv(engine, tokens, formats, o), Error);
+  o.ctx = 128;
+  EXPECT_THROW(evaluate_kv(engine, std::span<const TokenId>(tokens.data(), 50), formats, o), Error);
+}
+
+TEST(KvEval, CliWritesJsonAndRejectsBadFormats) {
+  const std::string dir = testing::temp_dir();
+  const std::string json = dir + "/eval.json";
+  const std::string base = testing::cli_path() + " eval -m " + testing::shared_path("models/stories260K.bin") + " -t " +
+                           testing::shared_path("models/tok512.bin") + " --text " +
+                           testing::shared_path("data/tinystories-valid-sample.txt") + " --ctx 64 --max-tokens 64";
+  ASSERT_EQ(std::system((base + " --kv f16,int4:window=32 --json " + json + " > " + dir + "/out.txt 2>&1").c_str()), 0);
+  const auto j = nlohmann::json::parse(slurp(json));
+  ASSERT_EQ(j["formats"].size(), 3u);
+  EXPECT_EQ(j["formats"][2]["format"], "int4:window=32");
+  EXPECT_NE(slurp(dir + "/out.txt").find("mean KL"), std::string::npos);
+  const int rc = std::system((base + " --kv int5 > " + dir + "/bad.txt 2>&1").c_str());
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(slurp(dir + "/bad.txt").find("'int5'"), std::string::npos) << slurp(dir + "/bad.txt");
+}
+
+}  // namespace
+}  // namespace qkvshare
