@@ -25,6 +25,7 @@ struct EvalArgs {
   std::string score = "half";
   int block = 32;
   int decode = 0;
+  bool speed_only = false;
   std::string json_path;
 };
 
@@ -59,9 +60,14 @@ void print_table(const EvalReport& r, bool decode) {
               "p99 KL", "top-1", "prefill/s");
   std::printf(decode ? " %9s\n" : "\n", "decode/s");
   for (const EvalFormatResult& f : r.results) {
-    std::printf("%-28s %8.2f %9.0f %10.4f %+8.3f %9.5f %9.5f %6.2f%% %9.1f", f.format.c_str(), f.bits_per_element,
-                f.kv_bytes_per_token, f.ppl, f.ppl_delta_pct, f.mean_kl, f.p99_kl, f.top1 * 100.0,
-                f.prefill_tokens_per_s);
+    if (f.scored == 0) {  // --speed-only
+      std::printf("%-28s %8.2f %9s %10s %8s %9s %9s %7s %9s", f.format.c_str(), f.bits_per_element, "-", "-", "-", "-",
+                  "-", "-", "-");
+    } else {
+      std::printf("%-28s %8.2f %9.0f %10.4f %+8.3f %9.5f %9.5f %6.2f%% %9.1f", f.format.c_str(), f.bits_per_element,
+                  f.kv_bytes_per_token, f.ppl, f.ppl_delta_pct, f.mean_kl, f.p99_kl, f.top1 * 100.0,
+                  f.prefill_tokens_per_s);
+    }
     if (decode) std::printf(" %9.1f", f.decode_tokens_per_s);
     std::printf("\n");
   }
@@ -102,10 +108,11 @@ void run_eval(const EvalArgs& a) {
   auto model = load_model(a.model);
   const auto tokens = model->tokenizer().encode(text);
   std::fprintf(stderr, "%s: %zu tokens\n", a.text_path.c_str(), tokens.size());
-  Engine engine(*model, EngineOptions{a.model.threads});
+  Engine engine(*model, engine_options(a.model));
   EvalOptions o;
   o.ctx = a.ctx;
-  o.max_scored = a.max_tokens;
+  if (a.speed_only && a.decode <= 0) fail(ErrorCode::invalid_argument, "--speed-only needs --decode N");
+  o.max_scored = a.speed_only ? -1 : a.max_tokens;
   o.score_all = a.score == "all";
   o.block_tokens = a.block;
   o.decode_tokens = a.decode;
@@ -143,6 +150,7 @@ void register_eval(CLI::App& app) {
   cmd->add_option("--block", args->block, "KV block size in tokens (power of two)")->check(CLI::Range(1, 4096));
   cmd->add_option("--decode", args->decode, "Also time this many decode steps ending at depth --ctx, per format")
       ->check(CLI::Range(0, 1 << 20));
+  cmd->add_flag("--speed-only", args->speed_only, "Skip the quality windows: only the --decode timing");
   cmd->add_option("--json", args->json_path, "Write the results as JSON to this file");
   cmd->callback([args] { run_eval(*args); });
 }

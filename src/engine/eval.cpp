@@ -65,6 +65,7 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
   const int rows = o.ctx - first;
   long windows = static_cast<long>(tokens.size()) / o.ctx;
   if (o.max_scored > 0) windows = std::min(windows, (o.max_scored + rows - 1) / rows);
+  if (o.max_scored < 0) windows = 0;  // speed only
 
   std::vector<Accumulator> acc;
   acc.push_back({KvFormat::parse("f32"), {}, 0, 0, {}, 0, 0, 0, 0, 0});
@@ -157,19 +158,31 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
   for (EvalFormatResult& r : report.results) r.ppl_delta_pct = (r.ppl / report.results[0].ppl - 1.0) * 100.0;
 
   if (o.decode_tokens > 0) {
-    // Decode speed at depth ctx: prefill ctx - 1 - decode_tokens tokens, then time single-token steps.
+    // Decode speed at depth ctx: every format's session is prefilled with
+    // ctx - 1 - decode_tokens tokens, then the formats take single-token
+    // steps in turn, so that a busy machine slows them all alike; each
+    // format's speed is its median step.
     std::copy_n(tokens.begin(), o.ctx, win.begin());
     const int pre = o.ctx - 1 - o.decode_tokens;
+    std::vector<std::unique_ptr<Session>> sessions;
+    for (Accumulator& a : acc) {
+      sessions.push_back(std::make_unique<Session>(std::make_unique<PooledKvCache>(a.pool, a.format, o.ctx)));
+      engine.forward(*sessions.back(), std::span<const TokenId>(win.data(), static_cast<std::size_t>(pre)));
+    }
+    std::vector<std::vector<double>> steps(acc.size());
+    for (int i = 0; i < o.decode_tokens; ++i)
+      for (std::size_t fi = 0; fi < acc.size(); ++fi) {
+        const auto t0 = Clock::now();
+        engine.forward(*sessions[fi], std::span<const TokenId>(&win[static_cast<std::size_t>(pre + i)], 1));
+        steps[fi].push_back(seconds_since(t0));
+      }
     for (std::size_t fi = 0; fi < acc.size(); ++fi) {
-      Session session(std::make_unique<PooledKvCache>(acc[fi].pool, acc[fi].format, o.ctx));
-      engine.forward(session, std::span<const TokenId>(win.data(), static_cast<std::size_t>(pre)));
-      const auto t0 = Clock::now();
-      for (int i = 0; i < o.decode_tokens; ++i)
-        engine.forward(session, std::span<const TokenId>(&win[static_cast<std::size_t>(pre + i)], 1));
-      report.results[fi].decode_tokens_per_s = o.decode_tokens / std::max(seconds_since(t0), 1e-9);
+      std::vector<double>& d = steps[fi];
+      std::nth_element(d.begin(), d.begin() + static_cast<long>(d.size() / 2), d.end());
+      report.results[fi].decode_tokens_per_s = 1.0 / std::max(d[d.size() / 2], 1e-9);
       if (o.progress)
-        o.progress(fmt::format("decode at depth {}: {:<26} {:.1f} tokens/s", o.ctx, acc[fi].format.to_string(),
-                               report.results[fi].decode_tokens_per_s));
+        o.progress(fmt::format("decode at depth {}: {:<26} {:.1f} tokens/s (median step)", o.ctx,
+                               acc[fi].format.to_string(), report.results[fi].decode_tokens_per_s));
     }
   }
   return report;

@@ -14,10 +14,12 @@ namespace qkvshare {
 
 struct EvalOptions {
   int ctx = 512;             // window length in tokens; windows do not overlap
-  long max_scored = 0;       // stop once this many tokens are scored (whole windows); 0: the whole text
+  long max_scored = 0;       // stop once this many tokens are scored (whole windows); 0: the whole text,
+                             // < 0: no quality windows at all (decode speed only)
   bool score_all = false;    // score every position; default: the second half of each window (llama.cpp)
   int block_tokens = 32;
   int decode_tokens = 0;     // > 0: also time this many decode steps ending at depth ctx, per format
+                             // (formats interleaved step by step; the median step counts)
   // Called with a line of progress (window, format, running perplexity).
   std::function<void(const std::string&)> progress;
 };
