@@ -180,7 +180,7 @@ void run_bench(const BenchArgs& a) {
   auto model = load_model(a.model);
   const double load_s = seconds_since(t0);
   const ModelConfig& c = model->config();
-  Engine engine(*model, EngineOptions{a.model.threads});
+  Engine engine(*model, engine_options(a.model));
   const int threads = engine.pool().size();
   Bench bench(a, engine);
   if (!a.no_warmup) bench.warmup();

@@ -41,7 +41,7 @@ void run_generate(const GenerateArgs& a) {
   }
   if (prompt.empty()) fail(ErrorCode::invalid_argument, "-p: the prompt is empty and the model adds no BOS token");
 
-  Engine engine(*model, EngineOptions{a.model.threads});
+  Engine engine(*model, engine_options(a.model));
   ShareRun share(a.share, *model, engine, a.ctx);
   prompt = share.prompt(tok, a.prompt, a.chat, prompt);
   auto session = share.session(engine, a.ctx);

@@ -34,7 +34,7 @@ void run_tokenize(const TokenizeArgs& a) {
 void run_logits(const LogitsArgs& a) {
   const std::vector<TokenId> ids = parse_ids(a.ids);
   auto model = load_model(a.model);
-  Engine engine(*model, EngineOptions{a.model.threads});
+  Engine engine(*model, engine_options(a.model));
   auto session = engine.new_session(static_cast<int>(ids.size()));
   const auto vocab = static_cast<std::size_t>(model->config().vocab_size);
   nlohmann::json rows = nlohmann::json::array();

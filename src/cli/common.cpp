@@ -12,6 +12,15 @@ void add_model_args(CLI::App& cmd, ModelArgs& args) {
   cmd.add_option("-m,--model", args.model_path, "Model file: GGUF, or a llama2.c checkpoint")->required();
   cmd.add_option("-t,--tokenizer", args.tokenizer_path, "Tokenizer file (llama2.c checkpoints only)");
   cmd.add_option("--threads", args.threads, "Worker threads (0: all cores)")->check(CLI::Range(0, 1024));
+  cmd.add_flag("--exact-matmul", args.exact_matmul,
+               "Float activations in every matmul (scalar reference dots): slow, for checks against float references");
+}
+
+EngineOptions engine_options(const ModelArgs& args) {
+  EngineOptions o;
+  o.n_threads = args.threads;
+  o.exact_matmul = args.exact_matmul;
+  return o;
 }
 
 std::unique_ptr<Model> load_model(const ModelArgs& args) {

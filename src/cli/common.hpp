@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "qkvshare/engine/engine.hpp"
 #include "qkvshare/model/model.hpp"
 
 namespace qkvshare::cli {
@@ -14,10 +15,12 @@ struct ModelArgs {
   std::string model_path;
   std::string tokenizer_path;
   int threads = 0;
+  bool exact_matmul = false;
 };
 
-// -m MODEL, -t TOKENIZER, --threads N
+// -m MODEL, -t TOKENIZER, --threads N, --exact-matmul
 void add_model_args(CLI::App& cmd, ModelArgs& args);
+EngineOptions engine_options(const ModelArgs& args);
 // Loads the model, reporting the load time on stderr.
 std::unique_ptr<Model> load_model(const ModelArgs& args);
 // "1,2,3" -> ids; throws Error(invalid_argument) naming the bad item.

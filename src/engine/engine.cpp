@@ -1,6 +1,7 @@
 #include "qkvshare/engine/engine.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "qkvshare/core/error.hpp"
@@ -82,9 +83,7 @@ void Engine::forward_chunk(Session& session, std::span<const TokenId> tokens, bo
     const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
     const auto* attn_norm = reinterpret_cast<const float*>(lw.attn_norm.data);
     for (int t = 0; t < n; ++t) kernels::rmsnorm(&xb_[t * d], &x_[t * d], attn_norm, d, c.rms_eps);
-    kernels::matmul(pool_, lw.wq, xb_.data(), n, q_.data());
-    kernels::matmul(pool_, lw.wk, xb_.data(), n, k_.data());
-    kernels::matmul(pool_, lw.wv, xb_.data(), n, v_.data());
+    project({{&lw.wq, q_.data()}, {&lw.wk, k_.data()}, {&lw.wv, v_.data()}}, xb_.data(), n);
     for (int t = 0; t < n; ++t) {
       if (lw.bq) {
         kernels::add_inplace(&q_[t * qd], reinterpret_cast<const float*>(lw.bq->data), qd);
@@ -97,15 +96,14 @@ void Engine::forward_chunk(Session& session, std::span<const TokenId> tokens, bo
     }
     cache.write(l, n, k_.data(), v_.data());
     cache.attend(l, n, q_.data(), att_.data(), pool_);
-    kernels::matmul(pool_, lw.wo, att_.data(), n, xb_.data());
+    project({{&lw.wo, xb_.data()}}, att_.data(), n);
     for (int t = 0; t < n; ++t) kernels::add_inplace(&x_[t * d], &xb_[t * d], d);
 
     const auto* ffn_norm = reinterpret_cast<const float*>(lw.ffn_norm.data);
     for (int t = 0; t < n; ++t) kernels::rmsnorm(&xb_[t * d], &x_[t * d], ffn_norm, d, c.rms_eps);
-    kernels::matmul(pool_, lw.w_gate, xb_.data(), n, gate_.data());
-    kernels::matmul(pool_, lw.w_up, xb_.data(), n, up_.data());
+    project({{&lw.w_gate, gate_.data()}, {&lw.w_up, up_.data()}}, xb_.data(), n);
     for (int t = 0; t < n; ++t) kernels::silu_mul(&gate_[t * ff], &up_[t * ff], ff);
-    kernels::matmul(pool_, lw.w_down, gate_.data(), n, xb_.data());
+    project({{&lw.w_down, xb_.data()}}, gate_.data(), n);
     for (int t = 0; t < n; ++t) kernels::add_inplace(&x_[t * d], &xb_[t * d], d);
   }
   cache.commit(n);
@@ -115,7 +113,18 @@ void Engine::forward_chunk(Session& session, std::span<const TokenId> tokens, bo
   const auto* out_norm = reinterpret_cast<const float*>(w.output_norm.data);
   const int first = all_logits ? 0 : n - 1;
   for (int t = first; t < n; ++t) kernels::rmsnorm(&xb_[t * d], &x_[t * d], out_norm, d, c.rms_eps);
-  kernels::matmul(pool_, w.output, &xb_[first * d], n - first, logits_out);
+  project({{&w.output, logits_out}}, &xb_[first * d], n - first);
+}
+
+void Engine::project(std::initializer_list<std::pair<const TensorView*, float*>> outs, const float* x, int n) {
+  if (options_.exact_matmul) {
+    for (const auto& [w, y] : outs) kernels::matmul_exact(pool_, *w, x, n, y);
+    return;
+  }
+  std::array<kernels::MatmulOut, kernels::kMaxMatmulOuts> mo{};
+  std::size_t k = 0;
+  for (const auto& [w, y] : outs) mo[k++] = kernels::MatmulOut{w, y};
+  kernels::matmul_multi(pool_, std::span<const kernels::MatmulOut>(mo.data(), k), x, n);
 }
 
 }  // namespace qkvshare

@@ -46,8 +46,8 @@ detail::GemmFn gemm_for(const KernelTable& k, GgmlType type) {
 // largest call seen, so steady-state decoding allocates nothing.
 struct ActBuffers {
   std::vector<std::int8_t> qs;
-  std::vector<float> d, dl, xs;
-  std::vector<std::int32_t> bias;
+  std::vector<float> d, dl, xs, s;
+  std::vector<std::int32_t> bias, bsum;
 };
 
 detail::ActQ8 quantize_activations(ThreadPool& pool, const KernelTable& k, const float* x, std::int64_t n_tokens,
@@ -62,12 +62,16 @@ detail::ActQ8 quantize_activations(ThreadPool& pool, const KernelTable& k, const
     buf.dl.resize(n / 4);
     buf.bias.resize(n / 4);
     buf.xs.resize(n / 4);
+    buf.bsum.resize(n / kQK);
+    buf.s.resize(n / kQK);
   }
   const auto run = [&buf, &k, x, cols, bmult](std::size_t begin, std::size_t end, int) {
     for (std::size_t t = begin; t < end; ++t) {
       const std::int64_t off = static_cast<std::int64_t>(t) * cols;
-      k.quantize_act(x + off, cols, bmult, buf.qs.data() + off, buf.d.data() + off / kQK, buf.dl.data() + off / 4,
-                     buf.bias.data() + off / 4, buf.xs.data() + off / 4);
+      const detail::ActQ8Out out{buf.qs.data() + off,       buf.d.data() + off / kQK,    buf.dl.data() + off / 4,
+                                 buf.bias.data() + off / 4, buf.xs.data() + off / 4, buf.bsum.data() + off / kQK,
+                                 buf.s.data() + off / kQK};
+      k.quantize_act(x + off, cols, bmult, out);
     }
   };
   // A token row quantizes in about a microsecond: only batches are worth the threads.
@@ -75,7 +79,7 @@ detail::ActQ8 quantize_activations(ThreadPool& pool, const KernelTable& k, const
     pool.parallel_for(static_cast<std::size_t>(n_tokens), 4, run);
   else
     run(0, static_cast<std::size_t>(n_tokens), 0);
-  return {buf.qs.data(), buf.d.data(), buf.dl.data(), buf.bias.data(), buf.xs.data(), cols};
+  return {buf.qs.data(), buf.d.data(), buf.dl.data(), buf.bias.data(), buf.xs.data(), buf.bsum.data(), buf.s.data(), cols};
 }
 
 // What a weight type needs from the activations: f32, or 8-bit with a bias multiplier.
@@ -103,6 +107,16 @@ void matmul_ref(const TensorView& w, const float* x, std::int64_t n_tokens, floa
   const std::int64_t cols = w.cols();
   for (std::int64_t t = 0; t < n_tokens; ++t)
     for (std::int64_t r = 0; r < rows; ++r) y[t * rows + r] = dot_row_ref(w.type, w.row(r), x + t * cols, cols);
+}
+
+void matmul_exact(ThreadPool& pool, const TensorView& w, const float* x, std::int64_t n_tokens, float* y) {
+  const std::int64_t rows = w.rows();
+  const std::int64_t cols = w.cols();
+  pool.parallel_for(static_cast<std::size_t>(rows), kRowGrain, [&](std::size_t begin, std::size_t end, int) {
+    for (std::int64_t t = 0; t < n_tokens; ++t)
+      for (auto r = static_cast<std::int64_t>(begin); r < static_cast<std::int64_t>(end); ++r)
+        y[t * rows + r] = dot_row_ref(w.type, w.row(r), x + t * cols, cols);
+  });
 }
 
 void matmul(ThreadPool& pool, const TensorView& w, const float* x, std::int64_t n_tokens, float* y) {

@@ -4,6 +4,8 @@
 // f32 part of it alone (same activation rounding, other summation order).
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "kernel_test_util.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/thread_pool.hpp"
@@ -61,6 +63,26 @@ TEST(MatmulIsa, RandomDataEveryTypeShapeAndLevel) {
           check_all_isas(w, x, tokens, shape_name(type, rows, cols, tokens));
           if (HasFatalFailure()) return;
         }
+}
+
+// The threaded float-activation path is the scalar reference, bit for bit,
+// whatever the thread count and the split of rows between threads.
+TEST(MatmulIsa, ExactMatmulIsTheReferenceOnEveryThreadCount) {
+  std::mt19937 rng(7);
+  for (GgmlType type : kAllTypes) {
+    const std::int64_t cols = cols_for(type).back();
+    const Weights w = make_weights(type, 37, cols, normal(static_cast<std::size_t>(37 * cols), 1.0f, rng));
+    const auto x = normal(static_cast<std::size_t>(5 * cols), 1.0f, rng);
+    std::vector<float> ref(37 * 5);
+    matmul_ref(w.view, x.data(), 5, ref.data());
+    for (int threads : {1, 2, 3}) {
+      ThreadPool pool(threads);
+      std::vector<float> y(ref.size(), -1.0f);
+      matmul_exact(pool, w.view, x.data(), 5, y.data());
+      EXPECT_EQ(0, std::memcmp(y.data(), ref.data(), y.size() * sizeof(float))) << shape_name(type, 37, cols, 5)
+                                                                                    << " threads " << threads;
+    }
+  }
 }
 
 // More tokens than one activation chunk (64) and rows that fill several tiles.

@@ -1,8 +1,10 @@
 #pragma once
 // The forward pass: batched prefill and one-token decode for any number of
 // sessions over one shared, read-only Model.
+#include <initializer_list>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "qkvshare/core/thread_pool.hpp"
@@ -33,6 +35,9 @@ class Session {
 struct EngineOptions {
   int n_threads = 0;     // 0: all hardware threads
   int max_batch = 256;   // tokens per forward chunk (bounds scratch memory)
+  // Float activations in every matmul (kernels::matmul_exact) instead of the
+  // 8-bit-activation SIMD kernels: slow, for checks against float references.
+  bool exact_matmul = false;
 };
 
 class Engine {
@@ -54,6 +59,9 @@ class Engine {
 
  private:
   void forward_chunk(Session& session, std::span<const TokenId> tokens, bool all_logits, float* logits_out);
+  // Weights applied to the same n activation rows: one kernels::matmul_multi
+  // call (activations quantized once), or exact matmuls one by one.
+  void project(std::initializer_list<std::pair<const TensorView*, float*>> outs, const float* x, int n);
   void ensure_scratch(int n);
 
   const Model& model_;

@@ -32,6 +32,10 @@ void matmul_multi(ThreadPool& pool, std::span<const MatmulOut> outs, const float
 // Scalar reference, single-threaded: dequantized weights times f32
 // activations, summed in double.
 void matmul_ref(const TensorView& w, const float* x, std::int64_t n_tokens, float* y);
+// The same reference dots spread over the pool's threads: f32 activations,
+// no 8-bit rounding. Several times slower than matmul; it lets the whole
+// forward pass be checked against float references (EngineOptions::exact_matmul).
+void matmul_exact(ThreadPool& pool, const TensorView& w, const float* x, std::int64_t n_tokens, float* y);
 // Copies row `r` of w into dst as floats (embedding lookup).
 void dequantize_row(const TensorView& w, std::int64_t r, float* dst);
 
