@@ -27,6 +27,11 @@ inline void cpu_relax() noexcept {
 // the thread being waited for is often not running, every spin would be
 // wasted (and would keep that thread off the core), and the budget falls to
 // the bottom: the pool then behaves like a plain condition-variable pool.
+// A sleep that ends soon after the spin gave up means the spin was just too
+// short (a long prefill call halves the budget down to the bottom, and the
+// short gaps of the decoding that follows would otherwise never raise it
+// again: every hand-over would pay a futex wake-up), so it raises the budget
+// to cover that wait.
 constexpr std::int64_t kMinSpinNs = 500;
 constexpr std::int64_t kMaxSpinNs = 100'000;
 
@@ -36,6 +41,7 @@ class SpinBudget {
   template <class Ready>
   bool spin(Ready ready) {
     const auto start = std::chrono::steady_clock::now();
+    start_ = start;
     for (int i = 0;; ++i) {
       if (ready()) {
         budget_ns_ = std::min(kMaxSpinNs, 2 * budget_ns_);
@@ -49,8 +55,16 @@ class SpinBudget {
     }
   }
 
+  // Called after the sleep that followed a failed spin().
+  void woke() {
+    const std::int64_t waited =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
+    if (waited < kMaxSpinNs) budget_ns_ = std::min(kMaxSpinNs, std::max(2 * budget_ns_, 2 * waited));
+  }
+
  private:
   std::int64_t budget_ns_ = kMaxSpinNs;
+  std::chrono::steady_clock::time_point start_{};
 };
 
 // Each waiting thread adapts its own budget.
@@ -122,6 +136,7 @@ bool ThreadPool::wait_for_generation(std::uint64_t seen) {
     sleeping_workers_.fetch_add(1);
     wake_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
     sleeping_workers_.fetch_sub(1);
+    t_spin.woke();
   }
   return !stop_.load(std::memory_order_acquire);
 }
@@ -175,6 +190,7 @@ void ThreadPool::parallel_for(std::size_t n, std::size_t grain,
     caller_sleeping_.store(true);
     done_.wait(lock, [&] { return pending_.load() == 0; });
     caller_sleeping_.store(false);
+    t_spin.woke();
   }
   std::exception_ptr error;
   {
