@@ -10,6 +10,7 @@ APT_PACKAGES=(
   nlohmann-json3-dev libcli11-dev libfmt-dev  # JSON, command line, formatting
   libpcre2-dev                                # Unicode regexes of the BPE pre-tokenizers
   libxxhash-dev libyaml-cpp-dev               # descriptor checksums, workflow files
+  clang libclang-rt-dev                       # libFuzzer targets of the parsers (tests/fuzz)
   python3 python3-venv python3-pip
 )
 
