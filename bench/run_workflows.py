@@ -28,6 +28,10 @@ BEGIN, END = "<!-- BEGIN WORKFLOWS -->", "<!-- END WORKFLOWS -->"
 CACHE = Path(os.environ.get("QKVSHARE_CACHE", Path.home() / ".cache" / "qkvshare"))
 MiB = 1024.0 * 1024.0
 
+# The synthetic models' tokenizer splits text into about twice as many tokens
+# as SmolLM2's: their W2 reads the first half of the article (~2,000 tokens).
+OVERRIDES = {("llama3.2-1b", "w2"): "examples/w2_fanout_synthetic.yaml"}
+
 WORKFLOWS = {
     "w1": ("examples/w1_two_agents.yaml", "W1: two agents (A ~150 tokens, B continues ~200)"),
     "w2": ("examples/w2_fanout.yaml", "W2: document fan-out (~2,000-token document, 4 forks x 64, aggregator)"),
@@ -57,13 +61,21 @@ def run_all(args):
         subprocess.run(["cmake", "-S", str(ROOT), "-B", str(ROOT / "build"), "-G", "Ninja",
                         "-DCMAKE_BUILD_TYPE=Release"], check=True)
         subprocess.run(["cmake", "--build", str(ROOT / "build"), "--target", "qkvshare"], check=True)
-    out = {"started": time.strftime("%Y%m%d-%H%M%S", time.gmtime()), "threads": args.threads,
-           "loadavg_start": os.getloadavg()[0], "runs": []}
     RESULTS.mkdir(parents=True, exist_ok=True)
+    partial = RESULTS / "workflows-partial.json"
+    if args.resume and partial.exists():
+        out = json.loads(partial.read_text())
+    else:
+        out = {"started": time.strftime("%Y%m%d-%H%M%S", time.gmtime()), "threads": args.threads,
+               "loadavg_start": os.getloadavg()[0], "runs": []}
+    done = {(r["model"], r["workflow"]) for r in out["runs"]}
     for m in args.models:
         path = model_path(m, cli)
         for w in args.workflows:
-            wf = ROOT / WORKFLOWS[w][0]
+            if (m, w) in done:
+                print(f"[workflows] {m} {w}: already in {partial.name}", file=sys.stderr)
+                continue
+            wf = ROOT / OVERRIDES.get((m, w), WORKFLOWS[w][0])
             js = RESULTS / f"wf-{m}-{w}.json"
             cmd = [cli, "run", str(wf), "-m", str(path), "--threads", str(args.threads), "--compare",
                    "--json", str(js)]
@@ -74,10 +86,12 @@ def run_all(args):
             out["runs"].append({"model": m, "model_file": str(path), "workflow": w, "command": " ".join(cmd),
                                 "modes": json.loads(js.read_text())})
             js.unlink()
+            partial.write_text(json.dumps(out, indent=1))  # a later failure keeps what was measured
     out["loadavg_end"] = os.getloadavg()[0]
     name = RESULTS / f"workflows-{out['started']}.json"
     name.write_text(json.dumps(out, indent=1))
     (RESULTS / "workflows-latest.json").write_text(json.dumps(out, indent=1))
+    partial.unlink()
     print(f"[workflows] wrote {name}", file=sys.stderr)
     return out
 
@@ -95,12 +109,22 @@ def consumer_prefill_seconds(mode):
     return sum(s["ttft_seconds"] for s in mode["steps"] if s["handoff"] != "new")
 
 
+def kept_kv_bytes(mode):
+    """KV held if every agent kept its cache to the end of the run, as each `independent` agent's
+    own engine process would: the sum of the steps' KV bytes (each measured at the end of its
+    step). The run itself drops a text-mode step's cache when the step ends."""
+    return sum(s["kv_bytes"] for s in mode["steps"])
+
+
 def tables(res):
     md = []
     for run in res["runs"]:
         modes = by_label(run)
         base = modes["independent"]
-        md.append(f"#### {run['model']}: {WORKFLOWS[run['workflow']][1]}\n")
+        title = WORKFLOWS[run["workflow"]][1]
+        if (run["model"], run["workflow"]) in OVERRIDES:
+            title += f" - {OVERRIDES[(run['model'], run['workflow'])]}"
+        md.append(f"#### {run['model']}: {title}\n")
         md.append(f"`{rel_cmd(run['command'])}`\n")
         md.append("| mode | e2e s | vs indep. | consumer TTFT s | vs indep. | prefill computed | reused | "
                   "peak KV MiB | vs indep. | peak RSS MiB | vs indep. | agreement vs f32 |")
@@ -114,7 +138,9 @@ def tables(res):
                       f"{x(base['peak_kv_bytes'], m['peak_kv_bytes'])} | {m['peak_rss_bytes'] / MiB:.0f} | "
                       f"{x(base['peak_rss_bytes'], m['peak_rss_bytes'])} | {100 * m['agreement']:.1f}% |")
         md.append("")
-        md.append("(`vs indep.`: independent's value divided by this mode's: above 1 is better.)\n")
+        md.append(f"(`vs indep.`: independent's value divided by this mode's: above 1 is better. If each "
+                  f"independent agent kept its cache to the end, as its own process would, independent would "
+                  f"hold {kept_kv_bytes(base) / MiB:.1f} MiB of KV at the end: the sum of its steps' KV.)\n")
     return md
 
 
@@ -141,7 +167,11 @@ def targets(res):
             r = base["total_seconds"] / i4["total_seconds"]
             row("e2e >= 3x lower (int4)", f"{r:.2f}x", r >= 3)
             r = base["peak_kv_bytes"] / i4["peak_kv_bytes"]
-            row("KV memory >= 10x lower (int4)", f"{r:.1f}x", r >= 10)
+            row("KV memory >= 10x lower (int4), independent agents dropping their caches after their step",
+                f"{r:.1f}x", r >= 10)
+            r = kept_kv_bytes(base) / i4["peak_kv_bytes"]
+            row("KV memory >= 10x lower (int4), independent agents keeping their caches (own processes)",
+                f"{r:.1f}x ({kept_kv_bytes(base) / MiB:.0f} MiB vs {i4['peak_kv_bytes'] / MiB:.1f} MiB)", r >= 10)
         if i8:
             row("int8 greedy agreement >= 95% vs f32", f"{100 * i8['agreement']:.1f}%", i8["agreement"] >= 0.95)
     return md
@@ -203,6 +233,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--qkvshare", default=str(ROOT / "build" / "src" / "cli" / "qkvshare"))
     ap.add_argument("--update-docs", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="keep the runs of an interrupted run (workflows-partial.json)")
     ap.add_argument("--report-only", metavar="JSON", help="tables (and docs) from a saved run")
     args = ap.parse_args()
     res = json.loads(Path(args.report_only).read_text()) if args.report_only else run_all(args)

@@ -121,7 +121,10 @@ class Run {
                                 bool private_pool) {
     auto r = std::make_unique<Runtime>();
     r->model = Model::load(path, tok, mode);
-    r->engine = std::make_unique<Engine>(*r->model, EngineOptions{opts_.threads});
+    EngineOptions eo;
+    eo.n_threads = opts_.threads;
+    eo.exact_matmul = opts_.exact_matmul;
+    r->engine = std::make_unique<Engine>(*r->model, eo);
     if (private_pool) {
       PoolConfig pc;
       pc.shape = r->engine->kv_shape();

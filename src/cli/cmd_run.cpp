@@ -55,6 +55,7 @@ void execute(const Workflow& wf, const RunArgs& a) {
   KvFormat::parse(a.kv);  // reject a bad --kv before loading anything
   opts.kv = a.kv;
   opts.threads = a.model.threads;
+  opts.exact_matmul = a.model.exact_matmul;
   opts.context = a.ctx;
   opts.max_tokens_cap = a.max_tokens;
   if (!a.quiet) opts.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
@@ -83,6 +84,8 @@ std::string default_model_path() {
 
 void add_common(CLI::App& cmd, RunArgs& a) {
   cmd.add_option("--threads", a.model.threads, "Worker threads (0: all cores)")->check(CLI::Range(0, 1024));
+  cmd.add_flag("--exact-matmul", a.model.exact_matmul,
+               "Float activations in every matmul: slow; isolates the KV formats' effect on agreement");
   cmd.add_option("--mode", a.mode, "independent, shared-text or qkvshare");
   cmd.add_option("--kv", a.kv, "KV format of qkvshare mode (f32, f16, int8, int4, int3, int2, kXvY[:options])");
   cmd.add_option("--ctx", a.ctx, "Token capacity of each session")->check(CLI::Range(16, 1 << 20));

@@ -29,6 +29,9 @@ struct RunOptions {
   int threads = 0;
   int context = 4096;       // token capacity of a session
   int max_tokens_cap = 0;   // > 0: no agent generates more (small models with short contexts)
+  // Float activations in every matmul (EngineOptions::exact_matmul): slow; isolates what the KV
+  // formats change from the 8-bit activation rounding, which amplifies any perturbation.
+  bool exact_matmul = false;
   std::function<void(const std::string&)> progress;  // one line per event, for stderr
 };
 
