@@ -111,6 +111,15 @@ void SharePool::Impl::validate_locked(const Descriptor& d, std::string_view agen
          name);
 }
 
+void SharePool::Impl::admit_locked(const Descriptor& d, std::string_view agent, bool as_producer) const {
+  try {
+    validate_locked(d, agent, as_producer);
+  } catch (const Error&) {
+    reg->bump(kRejected);
+    throw;
+  }
+}
+
 SealedContext SharePool::seal(const PooledKvCache& cache, std::span<const TokenId> tokens, std::string_view text,
                               const ModelFingerprint& fp, std::string_view producer) {
   validate_agent_id(producer, "seal");
@@ -251,12 +260,7 @@ void SharePool::release(const SealedContext& sealed) {
 void SharePool::release(const Descriptor& d, std::string_view agent) {
   Registry& reg = *impl_->reg;
   RegistryLock lock(reg);
-  try {
-    impl_->validate_locked(d, agent, false);
-  } catch (const Error&) {
-    reg.bump(kRejected);
-    throw;
-  }
+  impl_->admit_locked(d, agent, false);
   GrantSlot& g = reg.grant(d.grant_slot);
   g.state = kGrantFree;
   ++g.generation;
@@ -269,12 +273,7 @@ void SharePool::release(const Descriptor& d, std::string_view agent) {
 void SharePool::revoke(const Descriptor& d, std::string_view agent) {
   Registry& reg = *impl_->reg;
   RegistryLock lock(reg);
-  try {
-    impl_->validate_locked(d, agent, true);
-  } catch (const Error&) {
-    reg.bump(kRejected);
-    throw;
-  }
+  impl_->admit_locked(d, agent, true);
   revoke_locked(reg, d.record_slot);
 }
 
@@ -307,12 +306,7 @@ OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool 
   Registry& reg = *impl_->reg;
   {
     RegistryLock lock(reg);
-    try {
-      impl_->validate_locked(d, agent, false);
-    } catch (const Error&) {
-      reg.bump(kRejected);
-      throw;
-    }
+    impl_->admit_locked(d, agent, false);
     reg.grant(d.grant_slot).holder_slot = kNone;  // delivered: out of the issuer's custody
     const ContextRecord& rec = reg.record(d.record_slot);
     const TokenId* ids = reg.tokens(d.record_slot);

@@ -115,6 +115,8 @@ struct SharePool::Impl {
   // pool knows, for the grantee (or, with `as_producer`, the producer).
   // Under the mutex. Throws Error(bad_descriptor).
   void validate_locked(const Descriptor& d, std::string_view agent, bool as_producer) const;
+  // validate_locked, counting a refusal in the pool's `rejected` counter.
+  void admit_locked(const Descriptor& d, std::string_view agent, bool as_producer) const;
 };
 
 }  // namespace qkvshare
