@@ -6,6 +6,7 @@
 // ActQ8::bias removes the offset of u, and each lane is scaled by d_w * d_x.
 // maddubs saturates at 32767, so u must stay small (<= 63, true of Q4 and Q6);
 // Q8_0 instead uses the sign trick (|w| times x with w's sign), <= 128 * 127 * 2.
+#include "act_q8_store.hpp"
 #include "simd_intrin.hpp"
 
 #include <type_traits>
@@ -163,16 +164,7 @@ void quantize_block_rows(const float* x, std::int64_t n, std::int32_t bias_mult,
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     const __m256i q8 = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.qs + 32 * b), q8);
-    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q8), _mm256_set1_epi16(1));
-    _mm256_storeu_ps(o.dl + 8 * b, _mm256_set1_ps(db));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.bias + 8 * b), _mm256_mullo_epi32(sums, _mm256_set1_epi32(bias_mult)));
-    _mm256_storeu_ps(o.xs + 8 * b, _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(sums)));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-    const int block_sum = _mm_cvtsi128_si32(s4);
-    o.bsum[b] = bias_mult * block_sum;
-    o.s[b] = db * static_cast<float>(block_sum);
+    store_act_sums(o, b, q8, db, bias_mult);
   }
 }
 

@@ -5,6 +5,7 @@
 // into unsigned bytes u; vpdpbusd sums u * x in 32-bit lanes of 4 values,
 // whose start value ActQ8::bias removes the offset of u (kernel_table.hpp); a
 // lane is then scaled by d_w * sc_group * d_x in f32.
+#include "act_q8_store.hpp"
 #include "simd_intrin.hpp"
 
 #include "gemm_tiles.hpp"
@@ -88,17 +89,7 @@ void quantize_block_rows(const float* x, std::int64_t n, std::int32_t bias_mult,
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x1, vid), lo), hi));
     const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(q0)), _mm512_cvtepi32_epi8(q1), 1);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.qs + 32 * b), q);
-    const __m256i sums =
-        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));  // per 4 values
-    _mm256_storeu_ps(o.dl + 8 * b, _mm256_set1_ps(db));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.bias + 8 * b), _mm256_mullo_epi32(sums, _mm256_set1_epi32(bias_mult)));
-    _mm256_storeu_ps(o.xs + 8 * b, _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(sums)));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-    const int block_sum = _mm_cvtsi128_si32(s4);
-    o.bsum[b] = bias_mult * block_sum;
-    o.s[b] = db * static_cast<float>(block_sum);
+    store_act_sums(o, b, q, db, bias_mult);
   }
 }
 
