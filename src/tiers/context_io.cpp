@@ -131,6 +131,7 @@ std::unique_ptr<PooledKvCache> import_context(const ContextReader& reader, std::
 
 std::uint64_t export_descriptor(SharePool& pool, const Descriptor& d, std::string_view agent, const ByteSink& sink,
                                 const BlockCipher* cipher) {
+  pool.kv_pool_if_any();  // binds this process to the pool's KV arena, whatever its shape
   OpenedContext opened = pool.open(d, agent, true, static_cast<int>(d.token_count));
   if (!opened.cache)
     fail(ErrorCode::bad_descriptor, "export: the KV of context {} cannot be used here ({}: {})", d.context_id,
@@ -145,8 +146,12 @@ SealedContext import_sealed(SharePool& pool, const ContextReader& reader, std::s
   if (expected != nullptr && expected->model != fp.model)
     fail(ErrorCode::bad_descriptor, "import: the context was made by model {}, not by this model ({})", fp.hex(),
          expected->hex());
-  auto kv = pool.kv_pool_if_any();
-  if (!kv) fail(ErrorCode::invalid_argument, "import: pool holds no KV yet; give the model (-m) to format it");
+  std::shared_ptr<KvPool> kv;
+  try {
+    kv = pool.kv_pool(m.shape);  // formats an empty pool for the context's shape
+  } catch (const Error& e) {
+    fail(ErrorCode::bad_descriptor, "import: {}", e.what());
+  }
   auto cache = import_context(reader, kv, static_cast<int>(m.tokens.size()), cipher);
   return pool.seal(*cache, m.tokens, m.text, fp, producer);
 }

@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/mapped_file.hpp"
 #include "qkvshare/tiers/context_io.hpp"
 #include "qkvshare/tiers/crypto.hpp"
 #include "share/share_test_util.hpp"
@@ -236,6 +237,37 @@ TEST(KeyFile, ParsesRawAndHexAndRefusesAnythingElse) {
   EXPECT_NE(KeyCipher::from_file(dir + "/gen").key_id(), 0u);
   EXPECT_NE(error_of([&] { KeyCipher::generate_file(dir + "/gen"); }).find("cannot create key file"),
             std::string::npos);
+}
+
+}  // namespace
+}  // namespace qkvshare
+
+namespace qkvshare {
+namespace {
+
+// Files exported by an earlier build (tests/data/contexts, also the
+// big-endian test's input) still import, and open as the same tokens: the
+// format is stable across builds.
+TEST(ContextVectors, CommittedFilesImportAndOpen) {
+  auto model = testing::load_stories();
+  const ModelFingerprint fp = model_fingerprint(*model);
+  Engine engine(*model, EngineOptions{1});
+  auto pool = SharePool::create_anonymous(testing::small_config());
+  for (const char* name : {"f32", "f16", "k8v4", "int3", "int4_rot_kv"}) {
+    SCOPED_TRACE(name);
+    const MappedFile file(testing::source_path(std::string("tests/data/contexts/") + name + ".qkvctx"));
+    const ContextReader reader(file.bytes(), name);
+    const SealedContext sealed = import_sealed(*pool, reader, "A", &fp);
+    const Descriptor d = pool->grant(sealed, "A", "B");
+    pool->release(sealed);
+    HandoffResult r = open_session(*pool, engine, fp, d, "B", {HandoffMode::kv, true});
+    ASSERT_TRUE(r.kv);
+    EXPECT_EQ(r.session->tokens(), reader.meta().tokens);
+    EXPECT_EQ(model->tokenizer().decode(r.session->tokens()), reader.meta().text);
+    r.session.reset();
+    pool->release(d, "B");
+  }
+  EXPECT_EQ(pool->kv_pool_if_any()->counters().blocks_used, 0u);
 }
 
 }  // namespace
