@@ -21,8 +21,15 @@ struct ContextTiers::Entry {
   bool on_disk = false;       // the file holds this context (written once, kept until the last consumer)
   bool spill_failed = false;  // the disk refused once: keep it in RAM
   std::uint64_t last_use = 0;
-  std::future<void> restoring;  // a background restore in flight
+  std::size_t kv_bytes = 0;     // pool bytes when resident (from the format; exact for full blocks)
+  std::future<void> restoring;  // a background restore in flight (or done, not yet collected)
 };
+
+namespace {
+bool ready(const std::future<void>& f) {
+  return f.valid() && f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+}  // namespace
 
 ContextTiers::ContextTiers(SharePool& pool, TierOptions options)
     : pool_(pool), options_(std::move(options)), disk_(options_.spill_dir, options_.cipher) {}
@@ -60,6 +67,10 @@ void ContextTiers::add(const std::string& producer, std::map<std::string, Descri
     QKV_CHECK(it != position.end());
     e->position[consumer] = it->second;
   }
+  const Descriptor& any = grants.begin()->second;
+  if (const auto f = any.format(); f && pool_.kv_pool_if_any())
+    e->kv_bytes = f->context_bytes(pool_.kv_pool_if_any()->shape(), static_cast<int>(any.block_tokens),
+                                   static_cast<int>(any.token_count));
   e->grants = std::move(grants);
   std::lock_guard lock(mutex_);
   e->last_use = ++clock_;
@@ -131,9 +142,22 @@ void ContextTiers::consumed(const std::string& producer, const std::string& cons
 void ContextTiers::step_started(int position) {
   if (!options_.prefetch || options_.budget_bytes == 0) return;
   std::lock_guard lock(mutex_);
+  // What stays at rest after this step: resident contexts a later step needs.
+  std::size_t kept = 0;
+  for (const auto& [name, ep] : entries_)
+    if (ep->resident || ep->restoring.valid()) {
+      for (const auto& [c, pos] : ep->position)
+        if (pos > position) {
+          kept += ep->kv_bytes;
+          break;
+        }
+    }
   for (auto& [name, ep] : entries_) {
     Entry& e = *ep;
     if (e.resident || e.restoring.valid() || next_use(e) != position + 1) continue;
+    // Only what the budget can keep: a prefetch evicted again at the step's end would be wasted work.
+    if (kept + e.kv_bytes > options_.budget_bytes) continue;
+    kept += e.kv_bytes;
     e.restoring = std::async(std::launch::async, [this, &e] {
       std::unique_lock l(mutex_);
       restore_into(e, l, true);
@@ -173,6 +197,17 @@ void ContextTiers::step_finished(int position) {
     Entry* victim = nullptr;
     for (auto& [name, ep] : entries_) {
       Entry& e = *ep;
+      if (ready(e.restoring)) {  // a finished prefetch is resident like any other context
+        std::string failed;
+        lock.unlock();
+        try {
+          e.restoring.get();
+        } catch (const Error& err) {
+          failed = err.what();
+        }
+        lock.lock();
+        if (!failed.empty()) stats_.failures.push_back(fmt::format("prefetch of '{}' failed: {}", e.producer, failed));
+      }
       if (!e.resident || e.restoring.valid() || e.spill_failed || e.grants.empty()) continue;
       const auto key = [&](const Entry& x) { return std::make_pair(next_use(x) - now, -static_cast<long long>(x.last_use)); };
       if (victim == nullptr || key(e) > key(*victim)) victim = &e;
