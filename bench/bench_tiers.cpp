@@ -14,7 +14,17 @@
 //    at 75% of its peak KV (room for the larger context at rest, not both),
 //    prefetch on and off alternating, --ttft-reps times; the consumer whose
 //    context was spilled reports its time to first token.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <hiredis/hiredis.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <thread>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -28,6 +38,7 @@
 #include "qkvshare/share/handoff.hpp"
 #include "qkvshare/tiers/crypto.hpp"
 #include "qkvshare/tiers/disk_tier.hpp"
+#include "qkvshare/tiers/redis_tier.hpp"
 
 using namespace qkvshare;
 using Clock = std::chrono::steady_clock;
@@ -60,7 +71,54 @@ struct DiskRow {
   std::string format;
   bool encrypted = false;
   double kv_mib = 0, file_mib = 0, ratio_vs_f16 = 0;
-  std::vector<double> spill_ms, open_ms;
+  std::vector<double> spill_ms, open_ms, push_ms, redis_open_ms;
+  double sent_mib = 0;
+};
+
+// A private redis-server on a free port for the remote-tier rows.
+struct Server {
+  pid_t pid = -1;
+  int port = 0;
+  Server() {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    port = ntohs(a.sin_port);
+    ::close(fd);
+    pid = ::fork();
+    if (pid == 0) {
+      const int null = ::open("/dev/null", O_WRONLY);
+      ::dup2(null, 1);
+      ::dup2(null, 2);
+      const std::string p = std::to_string(port);
+      ::execlp("redis-server", "redis-server", "--port", p.c_str(), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    for (int i = 0; i < 300; ++i) {
+      timeval tv{0, 100000};
+      redisContext* c = redisConnectWithTimeout("127.0.0.1", port, tv);
+      const bool ok = c && !c->err;
+      if (c) redisFree(c);
+      if (ok) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    fail(ErrorCode::io, "bench: redis-server did not start");
+  }
+  void flush() const {
+    timeval tv{5, 0};
+    redisContext* c = redisConnectWithTimeout("127.0.0.1", port, tv);
+    freeReplyObject(redisCommand(c, "FLUSHALL"));
+    redisFree(c);
+  }
+  ~Server() {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
 };
 
 const char* kTtftWorkflow = R"(name: tiers-ttft
@@ -132,6 +190,13 @@ int main(int argc, char** argv) {
     key[0] = 1;
     const auto cipher = std::make_shared<KeyCipher>(key);
     const DiskTier plain_disk(dir), sealed_disk(dir, cipher);
+    const Server server;
+    RedisOptions ro;
+    ro.port = server.port;
+    ro.timeout_ms = 30000;
+    RedisTier plain_remote(ro);
+    ro.cipher = cipher;
+    RedisTier sealed_remote(ro);
     nlohmann::json out;
 
     // 1. Disk tier.
@@ -139,7 +204,7 @@ int main(int argc, char** argv) {
     for (int n : sizes) {
       ShareConfig sc;
       sc.max_tokens = n;
-      sc.bytes = 3 * KvPool::arena_bytes_for(shape, 32, KvFormat::parse("f16"), n, 1) + (std::size_t{64} << 20);
+      sc.bytes = 4 * KvPool::arena_bytes_for(shape, 32, KvFormat::parse("f16"), n, 1) + (std::size_t{64} << 20);
       auto pool = SharePool::create_anonymous(sc);
       auto kv = pool->kv_pool(shape);
       std::vector<Descriptor> ds;
@@ -182,6 +247,18 @@ int main(int argc, char** argv) {
             h.session.reset();
             pool->release(d, "consumer");
             disk.remove("ctx");
+            // Remote tier: push to an empty Redis (every block sent), then pull, import and open.
+            RedisTier& remote = enc ? sealed_remote : plain_remote;
+            server.flush();
+            t0 = Clock::now();
+            const PushResult pr = remote.push(*pool, ds[fi], "reader", "ctx");
+            r.push_ms.push_back(ms_since(t0));
+            r.sent_mib = static_cast<double>(pr.bytes_sent) / (1 << 20);
+            t0 = Clock::now();
+            RemoteOpen ro2 = remote.open(*pool, engine, fp, pr.ref, "consumer", n + 16);
+            r.redis_open_ms.push_back(ms_since(t0));
+            if (!ro2.handoff.kv) fail(ErrorCode::internal, "remote open fell back: {}", ro2.problem);
+            ro2.handoff.session.reset();
           }
         }
       }
@@ -190,16 +267,16 @@ int main(int argc, char** argv) {
     for (auto& r : rows) {
       if (r.format == "f16" && !r.encrypted && r.tokens == sizes.front()) f16_bytes = r.file_mib;
     }
-    std::printf("| tokens | format | encrypted | KV MiB in pool | file MiB | f16 / file | spill (ms) | open from disk (ms) |\n");
-    std::printf("|---:|---|---|---:|---:|---:|---:|---:|\n");
+    std::printf("| tokens | format | encrypted | KV MiB in pool | file MiB | f16 / file | spill (ms) | open from disk (ms) | push to Redis (ms) | open from Redis (ms) |\n");
+    std::printf("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     for (auto& r : rows) {
       double f16_same = 0;
       for (const auto& q : rows)
         if (q.tokens == r.tokens && q.format == "f16" && q.encrypted == r.encrypted) f16_same = q.file_mib;
       r.ratio_vs_f16 = f16_same / r.file_mib;
-      std::printf("| %d | %s | %s | %.1f | %.1f | %.2fx | %.1f | %.1f |\n", r.tokens, r.format.c_str(),
+      std::printf("| %d | %s | %s | %.1f | %.1f | %.2fx | %.1f | %.1f | %.1f | %.1f |\n", r.tokens, r.format.c_str(),
                   r.encrypted ? "yes" : "no", r.kv_mib, r.file_mib, r.ratio_vs_f16, median(r.spill_ms),
-                  median(r.open_ms));
+                  median(r.open_ms), median(r.push_ms), median(r.redis_open_ms));
       out["disk"].push_back({{"tokens", r.tokens},
                              {"format", r.format},
                              {"encrypted", r.encrypted},
@@ -207,7 +284,10 @@ int main(int argc, char** argv) {
                              {"file_mib", r.file_mib},
                              {"ratio_vs_f16", r.ratio_vs_f16},
                              {"spill_ms", r.spill_ms},
-                             {"open_ms", r.open_ms}});
+                             {"open_ms", r.open_ms},
+                             {"push_ms", r.push_ms},
+                             {"redis_open_ms", r.redis_open_ms},
+                             {"redis_sent_mib", r.sent_mib}});
     }
     (void)f16_bytes;
 
