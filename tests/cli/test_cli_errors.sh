@@ -48,6 +48,10 @@ expect_error "missing.qkvctx" context import "$tmp/missing.qkvctx" --pool none -
 expect_error "short.key" context import "$TESTDATA_CTX" --pool none --agent A --grant B -o "$tmp/x.desc" --key "$tmp/short.key"
 expect_error "--kv-budget" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --kv-budget lots
 expect_error "need --kv-budget" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --no-prefetch
+printf '{"format":"other"}' > "$tmp/bad.ref"
+expect_error "bad.ref" context pull "$tmp/bad.ref" --pool none --agent A --grant B -o "$tmp/x.desc"
+expect_error "missing.ref" context pull "$tmp/missing.ref" --pool none --agent A --grant B -o "$tmp/x.desc"
+expect_error "is not HOST:PORT" context push "$tmp/x.desc" --pool none --agent A --name n -o "$tmp/r.ref" --redis nohost
 printf '0%.0s' $(seq 64) > "$tmp/k.key"
 expect_error "cannot create key file" context keygen -o "$tmp/k.key"
 expect_error "--ids" logits -m "$S" -t "$T" --ids 1,x,3
