@@ -96,7 +96,8 @@ class Run {
   RunReport run() {
     const auto t0 = Clock::now();
     int index = 0;
-    for (std::size_t p = 0; p < wf_.order.size(); ++p) position_[wf_.steps[static_cast<std::size_t>(wf_.order[p])].id] = static_cast<int>(p);
+    for (std::size_t p = 0; p < wf_.order.size(); ++p)
+      position_[wf_.steps[static_cast<std::size_t>(wf_.order[p])].id] = static_cast<int>(p);
     for (int i : wf_.order) {
       const StepSpec& step = wf_.steps[static_cast<std::size_t>(i)];
       progress(fmt::format("[{}/{}] {} ({}): running", ++index, wf_.steps.size(), step.id, step.agent));
