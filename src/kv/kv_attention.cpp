@@ -56,7 +56,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
              Partial* part_ml, float* part_o) {
   const KvShape& s = in.shape;
   const int D = s.head_dim, T = in.block_tokens, G = s.n_heads / s.n_kv_heads;
-  const int nq = (t1 - t0) * G, keys = (b1 - b0) * T, total = in.first_pos + in.n;
+  const int nq = (t1 - t0) * G, keys = (b1 - b0) * T, total = in.key_total();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   thread_local std::vector<float> qbuf, obuf, scores, tile;
   qbuf.resize(static_cast<std::size_t>(nq) * D);
@@ -72,9 +72,12 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     std::memcpy(&qbuf[static_cast<std::size_t>(i) * D], in.q + static_cast<std::size_t>(t) * s.q_dim() + qh * D,
                 sizeof(float) * static_cast<std::size_t>(D));
     if (in.rotate_k) rotate(&qbuf[static_cast<std::size_t>(i) * D], D);
-    visible[static_cast<std::size_t>(i)] = std::clamp(in.first_pos + t + 1 - b0 * T, 0, keys);
+    const int seen = in.causal ? std::min(in.first_pos + t + 1, total) : total;
+    visible[static_cast<std::size_t>(i)] = std::clamp(seen - b0 * T, 0, keys);
   }
-  const int last_block = std::min(b1, (in.first_pos + t1 - 1) / T + 1);
+  const int last_block = std::min(b1, in.causal ? (in.first_pos + t1 - 1) / T + 1 : (total + T - 1) / T);
+  // Rows of block 0 before key_lo belong to another segment: never read.
+  const auto lo_of = [&](int b) { return b == 0 ? in.key_lo : 0; };
   for (int b = b0; b < last_block; ++b) {
     const int rows = std::min(T, total - b * T);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
@@ -88,13 +91,17 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       const int lim = std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T);
       float* sc = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       const float* qi = &qbuf[static_cast<std::size_t>(i) * D];
-      if (lim > 0) ml[static_cast<std::size_t>(i)].m = std::max(ml[static_cast<std::size_t>(i)].m, ops.scores(qi, k, lim, D, scale, sc));
+      const int lo = lo_of(b);
+      if (lim > lo)
+        ml[static_cast<std::size_t>(i)].m = std::max(
+            ml[static_cast<std::size_t>(i)].m, ops.scores(qi, k + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D, scale, sc + lo));
     }
   }
   for (int i = 0; i < nq; ++i) {
     const int nv = visible[static_cast<std::size_t>(i)];
     Partial& p = ml[static_cast<std::size_t>(i)];
-    if (nv > 0) p.l = ops.exp_sum(&scores[static_cast<std::size_t>(i) * keys], nv, p.m);
+    const int lo = lo_of(b0);
+    if (nv > lo) p.l = ops.exp_sum(&scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(lo)], nv - lo, p.m);
   }
   for (int b = b0; b < last_block; ++b) {
     const int rows = std::min(T, total - b * T);
@@ -109,7 +116,8 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       const int lim = std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T);
       const float* p = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       float* o = &obuf[static_cast<std::size_t>(i) * D];
-      if (lim > 0) ops.weighted_sum(o, p, v, lim, D);
+      const int lo = lo_of(b);
+      if (lim > lo) ops.weighted_sum(o, p + lo, v + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D);
     }
   }
   for (int i = 0; i < nq; ++i) {
@@ -132,12 +140,15 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
 
 void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool) {
   const KvShape& s = in.shape;
-  QKV_CHECK(in.n > 0 && in.n_blocks * in.block_tokens >= in.first_pos + in.n);
+  QKV_CHECK(in.n > 0 && in.n_blocks * in.block_tokens >= in.key_total() && in.key_lo >= 0 &&
+            in.key_lo < in.block_tokens);
+  const bool to_pieces = in.out_ml != nullptr;
   bool all_f32 = true;
   for (int b = 0; b < in.n_blocks; ++b)
     all_f32 = all_f32 && in.k_codecs[b].type == KvType::f32 && in.v_codecs[b].type == KvType::f32;
-  if (path == AttendPath::exact || (path == AttendPath::automatic && all_f32 && !in.rotate_k && !in.rotate_v)) {
-    QKV_CHECK(all_f32 && !in.rotate_k && !in.rotate_v);
+  const bool plain = in.key_lo == 0 && in.key_end < 0 && in.causal && !to_pieces;
+  if (path == AttendPath::exact || (path == AttendPath::automatic && all_f32 && !in.rotate_k && !in.rotate_v && plain)) {
+    QKV_CHECK(all_f32 && !in.rotate_k && !in.rotate_v && plain);
     attend_exact(in, pool);
     return;
   }
@@ -151,36 +162,43 @@ void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool) {
   // split depends on the problem only, never on the thread count, so results
   // are the same on any machine.
   const int parts = in.n <= 4 ? (in.n_blocks + kPartitionBlocks - 1) / kPartitionBlocks : 1;
-  const bool partial = parts > 1;
+  const bool partial = parts > 1 || to_pieces;
   const std::size_t slots = static_cast<std::size_t>(in.n) * static_cast<std::size_t>(s.n_heads);
   thread_local std::vector<Partial> ml;
   thread_local std::vector<float> po;
-  if (partial) {
+  static_assert(sizeof(Partial) == 2 * sizeof(float));
+  Partial* ml_data = nullptr;
+  float* po_data = nullptr;
+  if (to_pieces && parts == 1) {  // one partition: its pieces are the result
+    ml_data = reinterpret_cast<Partial*>(in.out_ml);
+    po_data = in.out_o;
+  } else if (partial) {
     ml.assign(slots * static_cast<std::size_t>(parts), Partial{});
     po.assign(slots * static_cast<std::size_t>(parts) * static_cast<std::size_t>(s.head_dim), 0.0f);
+    ml_data = ml.data();
+    po_data = po.data();
   }
   const std::size_t jobs = static_cast<std::size_t>(s.n_kv_heads) * chunks * parts;
-  Partial* ml_data = ml.data();
-  float* po_data = po.data();
   pool.parallel_for(jobs, 1, [&](std::size_t begin, std::size_t end, int) {
     for (std::size_t job = begin; job < end; ++job) {
       const int p = static_cast<int>(job % static_cast<std::size_t>(parts));
       const int c = static_cast<int>(job / static_cast<std::size_t>(parts) % static_cast<std::size_t>(chunks));
       const int h = static_cast<int>(job / static_cast<std::size_t>(parts) / static_cast<std::size_t>(chunks));
       const int t0 = c * kChunkTokens, t1 = std::min(in.n, t0 + kChunkTokens);
-      const int b0 = partial ? p * kPartitionBlocks : 0;
-      const int b1 = partial ? std::min(in.n_blocks, b0 + kPartitionBlocks) : in.n_blocks;
+      const int b0 = parts > 1 ? p * kPartitionBlocks : 0;
+      const int b1 = parts > 1 ? std::min(in.n_blocks, b0 + kPartitionBlocks) : in.n_blocks;
       run_job(in, ops, h, t0, t1, b0, b1, partial, partial ? ml_data + slots * p : nullptr,
               partial ? po_data + slots * p * s.head_dim : nullptr);
     }
   });
-  if (!partial) return;
+  if (!partial || (to_pieces && parts == 1)) return;
   // Merge the partitions' softmax pieces: weights exp(m_p - M).
   const int D = s.head_dim;
   for (std::size_t slot = 0; slot < slots; ++slot) {
     float M = -std::numeric_limits<float>::infinity();
     for (int p = 0; p < parts; ++p) M = std::max(M, ml[slots * p + slot].m);
-    float* dst = in.out + slot * static_cast<std::size_t>(D);  // slot = t * n_heads + qh
+    // slot = t * n_heads + qh
+    float* dst = (to_pieces ? in.out_o : in.out) + slot * static_cast<std::size_t>(D);
     std::fill(dst, dst + D, 0.0f);
     float L = 0.0f;
     for (int p = 0; p < parts; ++p) {
@@ -190,6 +208,11 @@ void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool) {
       L += w * pm.l;
       const float* o = &po[(slots * p + slot) * static_cast<std::size_t>(D)];
       for (int c = 0; c < D; ++c) dst[c] += w * o[c];
+    }
+    if (to_pieces) {
+      in.out_ml[2 * slot] = M;
+      in.out_ml[2 * slot + 1] = L;
+      continue;
     }
     const float inv = 1.0f / L;
     for (int c = 0; c < D; ++c) dst[c] *= inv;
