@@ -9,6 +9,7 @@
 #include "qkvshare/engine/generate.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 #include "qkvshare/share/handoff.hpp"
+#include "splice_step.hpp"
 #include "transcript.hpp"
 
 namespace qkvshare::agents {
@@ -55,6 +56,11 @@ struct StepResult {
   std::string output;             // the reply alone
   std::vector<TokenId> pending;   // sampled but not yet in the KV (the last token)
   std::map<std::string, Descriptor> grants;  // consumer step id -> descriptor (qkvshare mode)
+  std::vector<TokenId> prompt;    // its prompt's ids, when a later step splices them
+  int prompt_begin = 0;           // their first index in the context
+  std::vector<TokenId> reply;     // the generated ids
+  int reply_begin = 0;            // the reply's first token in the sealed context
+  int reply_in_kv = 0;            // reply tokens with KV in it
 };
 
 class Run {
@@ -162,6 +168,7 @@ class Run {
     std::unique_ptr<Session> session;
     std::vector<TokenId> feed;
     std::string transcript;
+    StepResult result;
     const StepInput* base = step.context_input();
     if (base != nullptr && opts_.mode == RunMode::qkvshare) {
       StepResult& up = results_.at(base->from);
@@ -181,6 +188,39 @@ class Run {
       const auto tail_ids = tok.encode(tail, true);
       feed.insert(feed.end(), tail_ids.begin(), tail_ids.end());
       transcript = up.transcript + tail;
+    } else if (step.splices()) {
+      session = new_session(rt, step);
+      std::vector<SpliceInput> inputs;
+      for (const auto& in : step.inputs) {
+        if (in.mode != HandoffMode::splice) continue;
+        StepResult& up = results_.at(in.from);
+        const auto g = up.grants.find(step.id);
+        SpliceInput si{in.from, in.recompute, g != up.grants.end() ? &g->second : nullptr, {}};
+        if (in.splice_prompt) si.parts.push_back(SplicePart{up.prompt, up.prompt_begin, static_cast<int>(up.prompt.size())});
+        if (in.splice_reply) si.parts.push_back(SplicePart{up.reply, up.reply_begin, up.reply_in_kv});
+        inputs.push_back(std::move(si));
+      }
+      const PreparedSplice ps =
+          prepare_splice_step(*rt.engine, *session, opts_.mode == RunMode::qkvshare ? pool_.get() : nullptr,
+                              fingerprint_, turns, agent.system, prompt, step.id, inputs, opts_.splice, opts_.context);
+      for (const auto& in : step.inputs)
+        if (in.mode == HandoffMode::splice) results_.at(in.from).grants.erase(step.id);  // released by the splice
+      feed = ps.feed;
+      transcript = ps.transcript;
+      m.handoff = ps.to_text > 0 && ps.to_text == ps.splices ? "splice:text" : ps.handoff;
+      m.handoff_seconds = ps.seconds;
+      m.prefill_computed += ps.computed;
+      m.prefill_reused = ps.reused;
+      m.splice_tokens = ps.spliced;
+      m.splice_recomputed = ps.recomputed;
+      m.guard_probe_tokens = ps.probe_tokens;
+      m.guard_estimate = ps.estimate;
+      m.recompute_fraction = ps.fraction;
+      m.guard_raised = ps.raised;
+      m.guard_text = ps.to_text;
+      report_.splices += ps.splices;
+      report_.guard_raised += ps.raised;
+      report_.guard_text += ps.to_text;
     } else {
       session = new_session(rt, step);
       if (base != nullptr) {  // text handoff: re-read the upstream transcript
@@ -191,15 +231,25 @@ class Run {
         m.handoff = "new";
       }
       if (tok.add_bos() && tok.bos_id() >= 0) feed.push_back(tok.bos_id());
-      const auto ids = tok.encode(transcript, true);
-      feed.insert(feed.end(), ids.begin(), ids.end());
+      if (base == nullptr && prompt_spliced(step)) {
+        // Its prompt is spliced by a later step: encoded on its own, so that its ids are one known run.
+        const auto head = tok.encode(turns.open_user(agent.system), true);
+        feed.insert(feed.end(), head.begin(), head.end());
+        result.prompt = tok.encode(prompt, true);
+        result.prompt_begin = static_cast<int>(feed.size());
+        feed.insert(feed.end(), result.prompt.begin(), result.prompt.end());
+        const auto tail = tok.encode(turns.close_user(), true);
+        feed.insert(feed.end(), tail.begin(), tail.end());
+      } else {
+        const auto ids = tok.encode(transcript, true);
+        feed.insert(feed.end(), ids.begin(), ids.end());
+      }
     }
 
     GenerateOptions go;
     go.max_new_tokens = opts_.max_tokens_cap > 0 ? std::min(agent.max_tokens, opts_.max_tokens_cap) : agent.max_tokens;
     go.sampling = agent.sampling;
     go.stop_strings = agent.stop;
-    StepResult result;
     if (feed.empty()) {
       m.ttft_seconds = since(t0);
     } else {
@@ -210,6 +260,9 @@ class Run {
       m.decode_tokens = static_cast<int>(g.tokens.size());
       m.output_tokens = g.tokens;
       m.output = g.text;
+      result.reply = g.tokens;
+      result.reply_begin = n0 + static_cast<int>(feed.size());
+      result.reply_in_kv = session->n_past() - result.reply_begin;
       // The last sampled token has no KV yet; a continuing consumer feeds it.
       if (!g.tokens.empty() &&
           session->n_past() < n0 + static_cast<int>(feed.size()) + static_cast<int>(g.tokens.size()))
@@ -238,14 +291,36 @@ class Run {
         std::make_unique<PooledKvCache>(rt.private_pool, KvFormat::parse("f16"), opts_.context));
   }
 
+  bool prompt_spliced(const StepSpec& step) const {
+    for (const auto& s : wf_.steps)
+      for (const auto& in : s.inputs)
+        if (in.from == step.id && in.mode == HandoffMode::splice && in.splice_prompt) return true;
+    return false;
+  }
+
   // Seals the step's context and grants it to each step that builds on it;
   // the grants alone keep it alive (the producer's claim is dropped at once).
   void hand_over(const StepSpec& step, const Session& session, StepResult& result) {
     std::vector<std::string> consumers;
     for (const auto& s : wf_.steps)
-      if (const StepInput* in = s.context_input(); in != nullptr && in->from == step.id) consumers.push_back(s.id);
+      for (const auto& in : s.inputs)
+        if (in.from == step.id && in.mode != HandoffMode::text) consumers.push_back(s.id);
     if (consumers.empty()) return;
-    const SealedContext sealed = seal_session(*pool_, *runtime(step.agent).engine, fingerprint_, session, step.id);
+    // A spliced context is handed on as its tail (what this step wrote after
+    // its last splice); the workflow check allows only splice consumers then.
+    const auto& cache = dynamic_cast<const PooledKvCache&>(session.cache());
+    std::unique_ptr<PooledKvCache> tail;
+    std::span<const TokenId> tokens(session.tokens());
+    if (cache.tail_begin() > 0) {
+      tail = cache.tail_context();
+      tokens = tokens.subspan(static_cast<std::size_t>(cache.tail_begin()));
+      result.reply_begin -= cache.tail_begin();
+      result.prompt_begin -= cache.tail_begin();
+    }
+    const Tokenizer& tok = runtime(step.agent).model->tokenizer();
+    const SealedContext sealed =
+        pool_->seal(tail ? *tail : cache, tokens, tok.decode(std::vector<TokenId>(tokens.begin(), tokens.end())),
+                    fingerprint_, step.id);
     for (const auto& c : consumers) result.grants.emplace(c, pool_->grant(sealed, step.id, c));
     pool_->release(sealed);
   }

@@ -18,6 +18,9 @@ std::string RunReport::json() const {
   j["prefill_reused"] = prefill_reused;
   j["contexts_alive_at_end"] = contexts_alive_at_end;
   j["pool_blocks_used_at_end"] = pool_blocks_used_at_end;
+  j["splices"] = splices;
+  j["guard_raised"] = guard_raised;
+  j["guard_text"] = guard_text;
   j["steps"] = nlohmann::json::array();
   for (const auto& s : steps) {
     j["steps"].push_back({{"step", s.step},
@@ -30,6 +33,13 @@ std::string RunReport::json() const {
                           {"prefill_reused", s.prefill_reused},
                           {"decode_tokens", s.decode_tokens},
                           {"kv_bytes", s.kv_bytes},
+                          {"splice_tokens", s.splice_tokens},
+                          {"splice_recomputed", s.splice_recomputed},
+                          {"guard_probe_tokens", s.guard_probe_tokens},
+                          {"guard_estimate", s.guard_estimate},
+                          {"recompute_fraction", s.recompute_fraction},
+                          {"guard_raised", s.guard_raised},
+                          {"guard_text", s.guard_text},
                           {"output_tokens", s.output_tokens},
                           {"output", s.output}});
   }
@@ -51,6 +61,9 @@ RunReport RunReport::from_json(const std::string& text) {
     r.prefill_reused = j.at("prefill_reused").get<int>();
     r.contexts_alive_at_end = j.at("contexts_alive_at_end").get<int>();
     r.pool_blocks_used_at_end = j.at("pool_blocks_used_at_end").get<std::size_t>();
+    r.splices = j.at("splices").get<int>();
+    r.guard_raised = j.at("guard_raised").get<int>();
+    r.guard_text = j.at("guard_text").get<int>();
     for (const auto& s : j.at("steps")) {
       StepMetrics m;
       m.step = s.at("step").get<std::string>();
@@ -63,6 +76,13 @@ RunReport RunReport::from_json(const std::string& text) {
       m.prefill_reused = s.at("prefill_reused").get<int>();
       m.decode_tokens = s.at("decode_tokens").get<int>();
       m.kv_bytes = s.at("kv_bytes").get<std::size_t>();
+      m.splice_tokens = s.at("splice_tokens").get<int>();
+      m.splice_recomputed = s.at("splice_recomputed").get<int>();
+      m.guard_probe_tokens = s.at("guard_probe_tokens").get<int>();
+      m.guard_estimate = s.at("guard_estimate").get<double>();
+      m.recompute_fraction = s.at("recompute_fraction").get<double>();
+      m.guard_raised = s.at("guard_raised").get<int>();
+      m.guard_text = s.at("guard_text").get<int>();
       m.output_tokens = s.at("output_tokens").get<std::vector<TokenId>>();
       m.output = s.at("output").get<std::string>();
       r.steps.push_back(std::move(m));

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "qkvshare/agents/workflow.hpp"
+#include "qkvshare/engine/splice.hpp"
 #include "qkvshare/model/tokenizer.hpp"
 
 namespace qkvshare::agents {
@@ -32,6 +33,7 @@ struct RunOptions {
   // Float activations in every matmul (EngineOptions::exact_matmul): slow; isolates what the KV
   // formats change from the 8-bit activation rounding, which amplifies any perturbation.
   bool exact_matmul = false;
+  SpliceOptions splice;     // the guard of splice edges (each edge's `recompute` replaces splice.recompute)
   std::function<void(const std::string&)> progress;  // one line per event, for stderr
 };
 
@@ -45,6 +47,12 @@ struct StepMetrics {
   int prefill_reused = 0;     // upstream tokens whose KV was reused instead
   int decode_tokens = 0;
   std::size_t kv_bytes = 0;   // KV bytes of this step's context when it ends
+  // Splice inputs (qkvshare mode): tokens spliced, of them recomputed, tokens
+  // the guard's probes ran, its largest estimate, the largest recompute
+  // fraction used, and how often it raised the fraction or went to text.
+  int splice_tokens = 0, splice_recomputed = 0, guard_probe_tokens = 0;
+  double guard_estimate = -1, recompute_fraction = -1;
+  int guard_raised = 0, guard_text = 0;
   std::vector<TokenId> output_tokens;
   std::string output;
 };
@@ -62,6 +70,7 @@ struct RunReport {
   int prefill_reused = 0;
   int contexts_alive_at_end = 0;       // sealed contexts left in the pool (0 when lifetimes are right)
   std::size_t pool_blocks_used_at_end = 0;
+  int splices = 0, guard_raised = 0, guard_text = 0;  // splice counters over the run
   std::string json() const;
   static RunReport from_json(const std::string& text);
 };
