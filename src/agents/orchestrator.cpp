@@ -9,6 +9,7 @@
 #include "qkvshare/engine/generate.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 #include "qkvshare/share/handoff.hpp"
+#include "reference_trace.hpp"
 #include "splice_step.hpp"
 #include "transcript.hpp"
 
@@ -92,10 +93,14 @@ class Run {
         pool_->kv_pool(shape);
       }
     }
+    if (!opts.force_reference.empty()) {
+      trace_ = ReferenceTrace::load(opts.force_reference);
+      forcing_ = true;
+    }
     report_.load_seconds = since(t0);
     report_.workflow = wf.name;
     report_.mode = opts.mode;
-    report_.kv = opts.mode == RunMode::qkvshare ? opts.kv : "f16";
+    report_.kv = opts.mode == RunMode::qkvshare ? opts.kv : text_kv();
   }
 
   RunReport run() {
@@ -114,6 +119,7 @@ class Run {
       release_finished_inputs(step);
     }
     report_.total_seconds = since(t0);
+    if (!opts_.record_reference.empty()) trace_.save(opts_.record_reference);
     if (pool_) {
       const ShareStats st = pool_->stats();
       report_.contexts_alive_at_end = st.contexts;
@@ -134,11 +140,14 @@ class Run {
     if (private_pool) {
       PoolConfig pc;
       pc.shape = r->engine->kv_shape();
-      pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, pc.block_tokens, KvFormat::parse("f16"), opts_.context, 2);
+      pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, pc.block_tokens, KvFormat::parse(text_kv()), opts_.context, 2);
       r->private_pool = KvPool::create(pc);
     }
     return r;
   }
+
+  // The KV format of the text modes' private caches: f16, or the shared-text reference's f32.
+  std::string text_kv() const { return opts_.mode == RunMode::shared_text ? opts_.text_kv : "f16"; }
 
   Runtime& runtime(const std::string& agent) {
     return opts_.mode == RunMode::independent ? *runtimes_.at(agent) : *shared_;
@@ -254,7 +263,47 @@ class Run {
       m.ttft_seconds = since(t0);
     } else {
       const int n0 = session->n_past();
-      const GenerateResult g = generate(*rt.engine, *session, feed, go);
+      QualitySum quality;
+      GenerateResult g;
+      const auto forced = forcing_ ? trace_.steps.find(step.id) : trace_.steps.end();
+      if (forced != trace_.steps.end()) {  // equal work: the reference run's tokens
+        const TraceStep& ref = forced->second;
+        std::size_t i = 0;
+        g = generate_forced(*rt.engine, *session, feed, ref.tokens, [&](std::span<const float> logits) {
+          quality.add(&ref.logprobs[i * logits.size()], logits, ref.tokens[i]);
+          ++i;
+        });
+      } else {
+        TraceStep rec;
+        if (!opts_.record_reference.empty())
+          go.on_logits = [&](std::span<const float> logits) {
+            const std::size_t at = rec.logprobs.size();
+            rec.logprobs.resize(at + logits.size());
+            std::vector<float> row;
+            log_softmax(logits, row);
+            std::copy(row.begin(), row.end(), rec.logprobs.begin() + static_cast<std::ptrdiff_t>(at));
+          };
+        g = generate(*rt.engine, *session, feed, go);
+        if (!opts_.record_reference.empty()) {
+          const std::size_t vocab = static_cast<std::size_t>(rt.model->config().vocab_size);
+          rec.tokens = g.tokens;
+          rec.logprobs.resize(g.tokens.size() * vocab);  // not the row that sampled the end of generation
+          for (std::size_t i = 0; i < g.tokens.size(); ++i) {
+            std::vector<float> row(rec.logprobs.begin() + static_cast<std::ptrdiff_t>(i * vocab),
+                                   rec.logprobs.begin() + static_cast<std::ptrdiff_t>((i + 1) * vocab));
+            std::vector<float> logits(row.begin(), row.end());
+            quality.add(row.data(), logits, g.tokens[i]);  // its own PPL; KL 0, top-1 1
+          }
+          trace_.vocab = static_cast<int>(vocab);
+          trace_.steps[step.id] = std::move(rec);
+        }
+      }
+      if (quality.n > 0) {
+        m.kl = quality.kl / quality.n;
+        m.top1 = static_cast<double>(quality.same) / quality.n;
+        m.nll = quality.nll / quality.n;
+        m.scored_tokens = quality.n;
+      }
       m.ttft_seconds = m.handoff_seconds + g.prefill_seconds;
       m.prefill_computed += g.prefill_tokens;
       m.decode_tokens = static_cast<int>(g.tokens.size());
@@ -288,7 +337,7 @@ class Run {
       return new_pooled_session(*pool_, *rt.engine, KvFormat::parse(kv.empty() ? opts_.kv : kv), opts_.context);
     }
     return std::make_unique<Session>(
-        std::make_unique<PooledKvCache>(rt.private_pool, KvFormat::parse("f16"), opts_.context));
+        std::make_unique<PooledKvCache>(rt.private_pool, KvFormat::parse(text_kv()), opts_.context));
   }
 
   bool prompt_spliced(const StepSpec& step) const {
@@ -338,6 +387,8 @@ class Run {
   ModelFingerprint fingerprint_;
   std::map<std::string, StepResult> results_;
   std::map<std::string, std::string> outputs_;
+  ReferenceTrace trace_;  // recorded (record_reference) or forced (force_reference)
+  bool forcing_ = false;
 };
 
 }  // namespace

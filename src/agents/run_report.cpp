@@ -40,6 +40,10 @@ std::string RunReport::json() const {
                           {"recompute_fraction", s.recompute_fraction},
                           {"guard_raised", s.guard_raised},
                           {"guard_text", s.guard_text},
+                          {"kl", s.kl},
+                          {"top1", s.top1},
+                          {"nll", s.nll},
+                          {"scored_tokens", s.scored_tokens},
                           {"output_tokens", s.output_tokens},
                           {"output", s.output}});
   }
@@ -83,6 +87,10 @@ RunReport RunReport::from_json(const std::string& text) {
       m.recompute_fraction = s.at("recompute_fraction").get<double>();
       m.guard_raised = s.at("guard_raised").get<int>();
       m.guard_text = s.at("guard_text").get<int>();
+      m.kl = s.at("kl").get<double>();
+      m.top1 = s.at("top1").get<double>();
+      m.nll = s.at("nll").get<double>();
+      m.scored_tokens = s.at("scored_tokens").get<int>();
       m.output_tokens = s.at("output_tokens").get<std::vector<TokenId>>();
       m.output = s.at("output").get<std::string>();
       r.steps.push_back(std::move(m));

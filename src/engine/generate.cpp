@@ -86,6 +86,7 @@ GenerateResult generate(Engine& engine, Session& session, std::span<const TokenI
   const auto t1 = Clock::now();
   TokenId prev = session.tokens().back();
   for (int i = 0; i < options.max_new_tokens; ++i) {
+    if (options.on_logits) options.on_logits(logits);
     const TokenId next = sampler.sample(logits, session.tokens());
     if (options.stop_at_end_of_generation && tok.is_end_of_generation(next)) {
       result.stop_reason = StopReason::end_of_generation;
@@ -106,6 +107,28 @@ GenerateResult generate(Engine& engine, Session& session, std::span<const TokenI
     ++result.decode_tokens;
   }
   if (result.stop_reason != StopReason::stop_string) filter.flush(result.text);
+  result.decode_seconds = seconds_since(t1);
+  return result;
+}
+
+GenerateResult generate_forced(Engine& engine, Session& session, std::span<const TokenId> prompt,
+                               std::span<const TokenId> forced,
+                               const std::function<void(std::span<const float>)>& on_logits) {
+  if (prompt.empty()) fail(ErrorCode::invalid_argument, "generate: the prompt has no tokens");
+  GenerateResult result;
+  const auto t0 = Clock::now();
+  std::span<const float> logits = engine.forward(session, prompt);
+  result.prefill_tokens = static_cast<int>(prompt.size());
+  result.prefill_seconds = seconds_since(t0);
+  const auto t1 = Clock::now();
+  for (std::size_t i = 0; i < forced.size(); ++i) {
+    if (on_logits) on_logits(logits);
+    if (i + 1 == forced.size()) break;
+    logits = engine.forward(session, forced.subspan(i, 1));
+    ++result.decode_tokens;
+  }
+  result.tokens.assign(forced.begin(), forced.end());
+  result.text = engine.model().tokenizer().decode(result.tokens);
   result.decode_seconds = seconds_since(t1);
   return result;
 }

@@ -2,6 +2,7 @@
 
 #include "qkvshare/agents/workflow.hpp"
 #include "qkvshare/core/error.hpp"
+#include "test_paths.hpp"
 
 namespace qkvshare::agents {
 namespace {
@@ -157,6 +158,19 @@ TEST(Workflow, SpliceEdgesAreChecked) {
   EXPECT_TRUE(z.inputs[0].splice_prompt && z.inputs[0].splice_reply);
   EXPECT_DOUBLE_EQ(z.inputs[0].recompute, 0.15);
   EXPECT_DOUBLE_EQ(z.inputs[1].recompute, 0.3);
+}
+
+// Every shipped example parses; W4 and the splicing W2 splice every edge they claim to.
+TEST(Workflow, ExamplesParse) {
+  for (const char* name : {"demo.yaml", "w1_two_agents.yaml", "w2_fanout.yaml", "w2_fanout_synthetic.yaml",
+                           "w2_fanout_splice.yaml", "w3_chain.yaml", "w4_roles.yaml"})
+    EXPECT_NO_THROW(Workflow::load(testing::source_path(std::string("examples/") + name))) << name;
+  const Workflow w4 = Workflow::load(testing::source_path("examples/w4_roles.yaml"));
+  for (const auto& s : w4.steps)
+    for (const auto& in : s.inputs) EXPECT_EQ(in.mode, HandoffMode::splice) << s.id;
+  const Workflow w2 = Workflow::load(testing::source_path("examples/w2_fanout_splice.yaml"));
+  EXPECT_EQ(w2.step("combine").inputs.size(), 4u);
+  EXPECT_TRUE(w2.step("combine").splices());
 }
 
 TEST(Workflow, YamlSyntaxErrorHasALine) { expect_bad("agents:\n  a: {prompt: go\nsteps: [\n", "YAML syntax error"); }

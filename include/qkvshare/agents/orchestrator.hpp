@@ -33,6 +33,10 @@ struct RunOptions {
   // Float activations in every matmul (EngineOptions::exact_matmul): slow; isolates what the KV
   // formats change from the 8-bit activation rounding, which amplifies any perturbation.
   bool exact_matmul = false;
+  std::string text_kv = "f16";  // KV format of shared-text mode (the comparison's reference uses f32)
+  // Equal work: record each step's tokens and distributions to this file, or
+  // force the tokens of such a file and score against it (compare_modes).
+  std::string record_reference, force_reference;
   SpliceOptions splice;     // the guard of splice edges (each edge's `recompute` replaces splice.recompute)
   std::function<void(const std::string&)> progress;  // one line per event, for stderr
 };
@@ -53,6 +57,10 @@ struct StepMetrics {
   int splice_tokens = 0, splice_recomputed = 0, guard_probe_tokens = 0;
   double guard_estimate = -1, recompute_fraction = -1;
   int guard_raised = 0, guard_text = 0;
+  // Along the reference's tokens (teacher forcing, -1 when not measured): mean
+  // KL(p_reference || p_this_run), top-1 agreement, mean NLL of the tokens.
+  double kl = -1, top1 = -1, nll = -1;
+  int scored_tokens = 0;
   std::vector<TokenId> output_tokens;
   std::string output;
 };

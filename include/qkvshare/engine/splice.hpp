@@ -12,7 +12,7 @@
 // token attends to them), and a recomputed head keeps the rest one contiguous
 // segment, so attention pays for one extra segment, not one per token. The
 // guard's probe measures the deviation right after the recomputed head; see
-// docs/splice.md for the measurements behind both choices.
+// docs/benchmarks.md "Splice" for the measurements behind both choices.
 #include <span>
 #include <vector>
 
