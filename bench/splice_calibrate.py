@@ -82,6 +82,8 @@ def main():
     ap.add_argument("jsonl")
     ap.add_argument("--bad-kl", type=float, default=0.02)
     ap.add_argument("--max-fa", type=float, default=0.05)
+    ap.add_argument("--also", type=float, nargs="*", default=[0.25],
+                    help="other thresholds to report rates for (0.25: the default before calibration)")
     ap.add_argument("--svg")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -119,6 +121,29 @@ def main():
             fa, fr, nb, ng = rates(s, t, key, a.bad_kl)
             summary[key][setname] = {"false_accept": fa, "false_reject": fr, "bad": nb, "good": ng}
             print(f"| {name} | {t:.4f} | {setname} | {nb} / {ng} | {100 * fa:.1f}% | {100 * fr:.1f}% |")
+        for t2 in a.also:
+            fa, fr, nb, ng = rates(reused, t2, key, a.bad_kl)
+            summary[key][f"all at {t2}"] = {"false_accept": fa, "false_reject": fr}
+            print(f"| {name} | {t2:.4f} (fixed) | all | {nb} / {ng} | {100 * fa:.1f}% | {100 * fr:.1f}% |")
+    # Per KV format: one threshold each (the guard knows the format).
+    print("\nOne threshold per KV format (target: KL vs same-format text), calibrated on the even cases:\n")
+    print("| KV | threshold | bad / good (all) | false accept (odd) | false reject (odd) | false accept (all) | false reject (all) |")
+    print("|---|---|---|---|---|---|---|")
+    fa_n = fr_n = nbad = ngood = 0
+    for fmt in sorted({r["format"] for r in reused}):
+        c = [r for r in calib if r["format"] == fmt]
+        h = [r for r in held if r["format"] == fmt]
+        al = [r for r in reused if r["format"] == fmt]
+        t = calibrate(c, "kl_text", a.bad_kl, a.max_fa)
+        fa_h, fr_h, _, _ = rates(h, t, "kl_text", a.bad_kl)
+        fa, fr, nb, ng = rates(al, t, "kl_text", a.bad_kl)
+        fa_n += fa * nb
+        fr_n += fr * ng
+        nbad += nb
+        ngood += ng
+        summary.setdefault("per_format", {})[fmt] = {"threshold": t, "false_accept": fa, "false_reject": fr}
+        print(f"| {fmt} | {t:.4f} | {nb} / {ng} | {100 * fa_h:.1f}% | {100 * fr_h:.1f}% | {100 * fa:.1f}% | {100 * fr:.1f}% |")
+    print(f"| pooled | | {nbad} / {ngood} | | | {100 * fa_n / max(1, nbad):.1f}% | {100 * fr_n / max(1, ngood):.1f}% |")
     if a.svg:
         series = {}
         for fmt in sorted({r["format"] for r in rows}):

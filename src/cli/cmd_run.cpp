@@ -24,6 +24,7 @@ struct RunArgs {
   int ctx = 4096;
   int max_tokens = 0;
   bool compare = false;
+  double guard_threshold = -1;
   std::string modes;  // --modes: labels for --compare (the first is the reference)
   bool quiet = false;
   std::string json;
@@ -59,6 +60,7 @@ void execute(const Workflow& wf, const RunArgs& a) {
   opts.exact_matmul = a.model.exact_matmul;
   opts.context = a.ctx;
   opts.max_tokens_cap = a.max_tokens;
+  opts.splice.threshold = a.guard_threshold;
   if (!a.quiet) opts.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   if (!a.compare) {
     const RunReport r = run_workflow(wf, a.model.model_path, a.model.tokenizer_path, opts);
@@ -94,6 +96,8 @@ void add_common(CLI::App& cmd, RunArgs& a) {
   cmd.add_option("--max-tokens", a.max_tokens, "Cap every agent's new tokens (0: as the workflow says)")
       ->check(CLI::Range(0, 1 << 20));
   cmd.add_flag("--compare", a.compare, "Run in every mode and print one comparison table");
+  cmd.add_option("--guard-threshold", a.guard_threshold,
+                 "Splice guard: estimate above which more is recomputed (default: calibrated per KV format)");
   cmd.add_option("--modes", a.modes,
                  "With --compare: modes, comma separated (shared-text:f32, independent, shared-text, qkvshare:int8, ...); "
                  "the first is the reference the others are forced along");

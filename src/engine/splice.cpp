@@ -8,6 +8,11 @@
 
 namespace qkvshare {
 
+double guard_threshold(const KvFormat& format) {
+  const int bits = std::min(format.k.bits(), format.v.bits());
+  return bits >= 8 ? 0.2364 : bits >= 4 ? 0.1241 : 0.5013;
+}
+
 int recompute_count(double fraction, int n) {
   return std::clamp(static_cast<int>(std::lround(fraction * static_cast<double>(n))), 0, n);
 }
@@ -70,12 +75,13 @@ SpliceResult splice_tokens(Engine& engine, Session& session, const PooledKvCache
     done = std::max(done, want);
   };
   recompute_to(options.recompute);
+  const double threshold = options.threshold >= 0 ? options.threshold : guard_threshold(cache.format());
   std::size_t level = 0;
   while (options.guard && done < n) {
     r.estimate = splice_probe(engine, session, src, src_tokens, begin + done, end, options.probe_tokens);
     r.estimates.push_back(r.estimate);
     r.probe_tokens += std::min(options.probe_tokens, n - done);
-    if (r.estimate <= options.threshold) break;
+    if (r.estimate <= threshold) break;
     while (level < options.escalation.size() && options.escalation[level] <= r.fraction) ++level;
     if (level == options.escalation.size()) break;  // nothing higher to try
     r.fraction = options.escalation[level++];

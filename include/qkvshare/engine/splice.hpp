@@ -25,8 +25,9 @@ struct SpliceOptions {
   double recompute = 0.15;  // fraction of the spliced tokens recomputed, 0..1
   bool guard = true;
   // Estimate (relative RMS deviation of V, see splice_probe) above which the
-  // guard recomputes more; calibrated by bench/splice_calibrate.py.
-  double threshold = 0.25;
+  // guard recomputes more; < 0: the value calibrated for the consumer's KV
+  // format (guard_threshold()).
+  double threshold = -1;
   int probe_tokens = 8;                    // tokens the probe runs (and drops)
   std::vector<double> escalation{0.5, 1.0};  // fractions tried in turn; 1.0 is the text handoff
 };
@@ -43,6 +44,13 @@ struct SpliceResult {
   bool text = false;              // ... up to every token (text handoff)
   double seconds = 0;
 };
+
+// The guard's thresholds calibrated per KV format by bench/splice_calibrate.py
+// on 216 splices of SmolLM2-135M (bench/results/splice_guard.md): the largest
+// estimate whose false-accept rate stays <= 5% on the calibration half, for
+// "bad" = KL to the same-format text re-prefill > 0.02. Keyed by the smaller
+// of the K and V bit widths: >= 8 bits 0.2364, 4-7 bits 0.1241, < 4 bits 0.5013.
+double guard_threshold(const KvFormat& format);
 
 // The number of tokens a fraction recomputes: round(fraction * n).
 int recompute_count(double fraction, int n);
