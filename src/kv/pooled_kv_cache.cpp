@@ -11,6 +11,70 @@
 
 namespace qkvshare {
 
+namespace kv {
+
+// Attention over several segments as one AttendWork: one BlockAttend per
+// segment (frozen segments are seen whole by every query, the tail causally),
+// each reading its keys with the query rotated back by the segment's offset,
+// so that (R(-d) q(m)) . k(n) = q(m) . R(d) k(n) puts them at their new
+// positions; each writes softmax pieces, and finish() merges them as split-K
+// decode does (weights exp(m - M)).
+class SegmentAttend final : public AttendWork {
+ public:
+  struct Part {
+    BlockAttend work;
+    std::vector<const std::byte*> tiles;
+    std::vector<KvCodec> codecs;
+    std::vector<float> q;  // the rotated query, when the offset is not 0
+  };
+  std::vector<Part> parts;
+  std::size_t used = 0;  // parts of the current plan
+  std::vector<float> ml, po;
+  std::vector<std::size_t> first_job;  // [used + 1]
+  float* out = nullptr;
+  std::size_t slots = 0;
+  int head_dim = 0;
+  bool rotate_v = false;
+
+  std::size_t jobs() const noexcept override { return first_job[used]; }
+  double job_cost() const noexcept override {
+    double c = 0;
+    for (std::size_t i = 0; i < used; ++i) c += parts[i].work.job_cost() * static_cast<double>(parts[i].work.jobs());
+    return jobs() == 0 ? 0.0 : c / static_cast<double>(jobs());
+  }
+  void run(std::size_t job) override {
+    const std::size_t i =
+        static_cast<std::size_t>(std::upper_bound(first_job.begin(), first_job.begin() + static_cast<std::ptrdiff_t>(used) + 1, job) -
+                                 first_job.begin()) - 1;
+    parts[i].work.run(job - first_job[i]);
+  }
+  void finish() override {
+    for (std::size_t i = 0; i < used; ++i) parts[i].work.finish();
+    const int D = head_dim;
+    for (std::size_t slot = 0; slot < slots; ++slot) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (std::size_t si = 0; si < used; ++si)
+        if (ml[(si * slots + slot) * 2 + 1] > 0.0f) M = std::max(M, ml[(si * slots + slot) * 2]);
+      float* dst = out + slot * static_cast<std::size_t>(D);
+      std::fill(dst, dst + D, 0.0f);
+      float L = 0.0f;
+      for (std::size_t si = 0; si < used; ++si) {
+        const float m = ml[(si * slots + slot) * 2], l = ml[(si * slots + slot) * 2 + 1];
+        if (l == 0.0f) continue;
+        const float w = std::exp(m - M);
+        L += w * l;
+        const float* o = &po[(si * slots + slot) * static_cast<std::size_t>(D)];
+        for (int c = 0; c < D; ++c) dst[c] += w * o[c];
+      }
+      const float inv = 1.0f / L;
+      for (int c = 0; c < D; ++c) dst[c] *= inv;
+      if (rotate_v) unrotate(dst, D);
+    }
+  }
+};
+
+}  // namespace kv
+
 // Blocks this pass writes: `dst` receives rows; `src` holds the committed rows
 // [0, old_rows) (the same block when it is written in place).
 struct PooledKvCache::Step {
@@ -243,15 +307,12 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
   }
 }
 
-void PooledKvCache::attend(int layer, int n, const float* q, float* out, ThreadPool& pool) {
+AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* out) {
   const KvShape& s = shape();
   QKV_CHECK(step_ && step_->n == n && step_->next_layer == layer + 1);
-  if (segments_.size() > 1) {
-    attend_segments(layer, n, q, out, pool);
-    return;
-  }
+  if (segments_.size() > 1) return plan_segments(layer, n, q, out);
   const int blocks = static_cast<int>(step_->view.size());
-  thread_local std::vector<const std::byte*> tiles;
+  std::vector<const std::byte*>& tiles = attend_tiles_;
   tiles.resize(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(s.n_kv_heads) * 2);
   const std::size_t half = tiles.size() / 2;
   for (int b = 0; b < blocks; ++b)
@@ -274,57 +335,62 @@ void PooledKvCache::attend(int layer, int n, const float* q, float* out, ThreadP
   in.v_codecs = step_->view_v.data();
   in.rotate_k = format_.rotate_k;
   in.rotate_v = format_.rotate_v;
-  kv::attend_blocks(in, path_, pool);
+  if (!attend_work_) attend_work_ = std::make_unique<kv::BlockAttend>();
+  attend_work_->prepare(in, path_);
+  return *attend_work_;
 }
 
-// Attention over several segments: each one is a separate softmax piece
-// (frozen segments are seen whole by every query, the tail causally), read
-// with the query rotated back by the segment's offset, so that
-// (R(-d) q(m)) . k(n) = q(m) . R(d) k(n) puts its keys at their new
-// positions; the pieces are merged as in split-K decode (weights exp(m - M)).
-void PooledKvCache::attend_segments(int layer, int n, const float* q, float* out, ThreadPool& pool) {
+
+AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float* out) {
   const KvShape& s = shape();
   const int D = s.head_dim, qd = s.q_dim(), T = pool_->block_tokens();
-  const std::size_t slots = static_cast<std::size_t>(n) * static_cast<std::size_t>(s.n_heads);
+  if (!segment_work_) segment_work_ = std::make_unique<kv::SegmentAttend>();
+  kv::SegmentAttend& w = *segment_work_;
   const std::size_t segs = segments_.size();
-  thread_local std::vector<float> ml, po, qrot;
-  thread_local std::vector<const std::byte*> tiles;
-  thread_local std::vector<KvCodec> codecs;
-  ml.resize(segs * slots * 2);
-  po.resize(segs * slots * static_cast<std::size_t>(D));
+  w.slots = static_cast<std::size_t>(n) * static_cast<std::size_t>(s.n_heads);
+  w.head_dim = D;
+  w.out = out;
+  w.rotate_v = format_.rotate_v;
+  if (w.parts.size() < segs) w.parts.resize(segs);
+  w.used = segs;
+  w.ml.resize(segs * w.slots * 2);
+  w.po.resize(segs * w.slots * static_cast<std::size_t>(D));
+  w.first_job.assign(segs + 1, 0);
   const AttendPath path = path_ == AttendPath::exact ? AttendPath::scalar : path_;
   for (std::size_t si = 0; si < segs; ++si) {
     const KvSegment& seg = segments_[si];
+    kv::SegmentAttend::Part& part = w.parts[si];
     const bool tail = si + 1 == segs;
     const std::vector<BlockRef>& blocks = tail ? step_->view : seg.blocks;
     const int nb = static_cast<int>(blocks.size());
-    tiles.resize(static_cast<std::size_t>(nb) * static_cast<std::size_t>(s.n_kv_heads) * 2);
-    codecs.resize(static_cast<std::size_t>(nb) * 2);
-    const std::size_t half = tiles.size() / 2;
+    QKV_CHECK(nb > 0);  // frozen segments hold tokens; the tail holds this pass's
+    part.tiles.resize(static_cast<std::size_t>(nb) * static_cast<std::size_t>(s.n_kv_heads) * 2);
+    part.codecs.resize(static_cast<std::size_t>(nb) * 2);
+    const std::size_t half = part.tiles.size() / 2;
     for (int b = 0; b < nb; ++b) {
       const BlockRef ref = blocks[static_cast<std::size_t>(b)];
       for (int h = 0; h < s.n_kv_heads; ++h) {
         const std::size_t i = static_cast<std::size_t>(b) * s.n_kv_heads + h;
-        tiles[i] = pool_->tile(ref, 0, layer, h);
-        tiles[half + i] = pool_->tile(ref, 1, layer, h);
+        part.tiles[i] = pool_->tile(ref, 0, layer, h);
+        part.tiles[half + i] = pool_->tile(ref, 1, layer, h);
       }
       if (tail) {
-        codecs[static_cast<std::size_t>(b)] = step_->view_k[static_cast<std::size_t>(b)];
-        codecs[static_cast<std::size_t>(nb + b)] = step_->view_v[static_cast<std::size_t>(b)];
+        part.codecs[static_cast<std::size_t>(b)] = step_->view_k[static_cast<std::size_t>(b)];
+        part.codecs[static_cast<std::size_t>(nb + b)] = step_->view_v[static_cast<std::size_t>(b)];
       } else {
         const BlockInfo info = pool_->info(ref);
-        codecs[static_cast<std::size_t>(b)] = info.k;
-        codecs[static_cast<std::size_t>(nb + b)] = info.v;
+        part.codecs[static_cast<std::size_t>(b)] = info.k;
+        part.codecs[static_cast<std::size_t>(nb + b)] = info.v;
       }
     }
     const float* qs = q;
     if (seg.position_offset != 0) {
       QKV_CHECK(static_cast<int>(rope_.inv_freq.size()) * 2 == D);  // set by splice() or set_rope()
-      qrot.assign(q, q + static_cast<std::ptrdiff_t>(n) * qd);
+      part.q.assign(q, q + static_cast<std::ptrdiff_t>(n) * qd);
       for (int t = 0; t < n; ++t)
-        kernels::rope(&qrot[static_cast<std::size_t>(t) * qd], s.n_heads, D, static_cast<float>(-seg.position_offset),
+        kernels::rope(&part.q[static_cast<std::size_t>(t) * qd], s.n_heads, D, static_cast<float>(-seg.position_offset),
                       rope_.inv_freq.data(), rope_.style);
-      qs = qrot.data();
+      qs = part.q.data();
     }
     kv::AttendInput in;
     in.shape = s;
@@ -332,14 +398,14 @@ void PooledKvCache::attend_segments(int layer, int n, const float* q, float* out
     in.n_blocks = nb;
     in.n = n;
     in.q = qs;
-    in.k_tiles = tiles.data();
-    in.v_tiles = tiles.data() + half;
-    in.k_codecs = codecs.data();
-    in.v_codecs = codecs.data() + nb;
+    in.k_tiles = part.tiles.data();
+    in.v_tiles = part.tiles.data() + half;
+    in.k_codecs = part.codecs.data();
+    in.v_codecs = part.codecs.data() + nb;
     in.rotate_k = format_.rotate_k;
     in.rotate_v = format_.rotate_v;
-    in.out_ml = &ml[si * slots * 2];
-    in.out_o = &po[si * slots * static_cast<std::size_t>(D)];
+    in.out_ml = &w.ml[si * w.slots * 2];
+    in.out_o = &w.po[si * w.slots * static_cast<std::size_t>(D)];
     if (tail) {
       in.first_pos = size_ - base_;
     } else {
@@ -347,31 +413,10 @@ void PooledKvCache::attend_segments(int layer, int n, const float* q, float* out
       in.key_lo = seg.first_row;
       in.key_end = seg.first_row + seg.tokens;
     }
-    if (nb == 0) {  // an empty tail cannot see anything; a tail with n > 0 never is
-      std::fill(in.out_ml, in.out_ml + slots * 2, 0.0f);
-      continue;
-    }
-    kv::attend_blocks(in, path, pool);
+    part.work.prepare(in, path);
+    w.first_job[si + 1] = w.first_job[si] + part.work.jobs();
   }
-  for (std::size_t slot = 0; slot < slots; ++slot) {
-    float M = -std::numeric_limits<float>::infinity();
-    for (std::size_t si = 0; si < segs; ++si)
-      if (ml[(si * slots + slot) * 2 + 1] > 0.0f) M = std::max(M, ml[(si * slots + slot) * 2]);
-    float* dst = out + slot * static_cast<std::size_t>(D);
-    std::fill(dst, dst + D, 0.0f);
-    float L = 0.0f;
-    for (std::size_t si = 0; si < segs; ++si) {
-      const float m = ml[(si * slots + slot) * 2], l = ml[(si * slots + slot) * 2 + 1];
-      if (l == 0.0f) continue;
-      const float w = std::exp(m - M);
-      L += w * l;
-      const float* o = &po[(si * slots + slot) * static_cast<std::size_t>(D)];
-      for (int c = 0; c < D; ++c) dst[c] += w * o[c];
-    }
-    const float inv = 1.0f / L;
-    for (int c = 0; c < D; ++c) dst[c] *= inv;
-    if (format_.rotate_v) kv::unrotate(dst, D);
-  }
+  return w;
 }
 
 void PooledKvCache::commit(int n) {

@@ -21,7 +21,8 @@ struct GenerateOptions {
   std::function<void(std::span<const float>)> on_logits;
 };
 
-enum class StopReason { max_tokens, end_of_generation, stop_string, context_full };
+// cancelled and error only end Scheduler requests (generate() throws instead).
+enum class StopReason { max_tokens, end_of_generation, stop_string, context_full, cancelled, error };
 std::string_view to_string(StopReason reason) noexcept;
 
 struct GenerateResult {

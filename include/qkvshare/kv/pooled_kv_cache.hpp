@@ -22,12 +22,17 @@
 
 namespace qkvshare {
 
+namespace kv {
+class BlockAttend;
+class SegmentAttend;
+}
+
 // A token range of a run of blocks: `tokens` tokens starting at row
 // `first_row` of blocks[0] (start and end may fall inside a block). Keys were
 // rotated (RoPE) at the positions they were computed at; the segment sits
 // `position_offset` positions away from there (its position in this context
 // minus the position it was computed at), and attention reads it by rotating
-// the query back by the offset, once per segment (DESIGN.md "Context"): no
+// the query back by the offset, once per segment (docs/design.md "Context"): no
 // block is rewritten, requantized or copied to move it, so the same blocks can
 // sit in several contexts at different positions. tokens < 0 means "up to the
 // context's size" (a context's only segment, as adopt() is given it).
@@ -62,7 +67,7 @@ class PooledKvCache final : public KvCache {
   int size() const noexcept override { return size_; }
   int capacity() const noexcept override { return capacity_; }
   void write(int layer, int n, const float* k, const float* v) override;
-  void attend(int layer, int n, const float* q, float* out, ThreadPool& pool) override;
+  AttendWork& plan_attend(int layer, int n, const float* q, float* out) override;
   void commit(int n) override;
 
   // A context over existing blocks (a handed-off one): takes its own
@@ -107,7 +112,7 @@ class PooledKvCache final : public KvCache {
 
  private:
   struct Step;  // the pass between the first write() and commit()
-  void attend_segments(int layer, int n, const float* q, float* out, ThreadPool& pool);
+  AttendWork& plan_segments(int layer, int n, const float* q, float* out);
   void plan(int n);
   void discard_step() noexcept;
   void write_block(int layer, int b, const float* k, const float* v, int n);
@@ -123,6 +128,10 @@ class PooledKvCache final : public KvCache {
   std::unique_ptr<Step> step_;
   AttendPath path_ = AttendPath::automatic;
   std::vector<float> rotated_;  // k/v rows of a write, rotated per head
+  // The planned attention and the tile pointers it reads (one plan at a time per cache).
+  std::unique_ptr<kv::BlockAttend> attend_work_;
+  std::unique_ptr<kv::SegmentAttend> segment_work_;  // a spliced context's plan
+  std::vector<const std::byte*> attend_tiles_;
 };
 
 }  // namespace qkvshare
