@@ -6,21 +6,46 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_format.hpp"
 
 namespace qkvshare::agents {
 
 std::string ModeSpec::label() const {
-  return mode == RunMode::qkvshare ? "qkvshare:" + kv : std::string(to_string(mode));
+  if (mode == RunMode::qkvshare) return "qkvshare:" + kv;
+  if (mode == RunMode::shared_text && kv != "f16") return "shared-text:" + kv;
+  return std::string(to_string(mode));
 }
 
 std::vector<ModeSpec> default_comparison() {
-  return {{RunMode::qkvshare, "f32"},  {RunMode::independent, "f16"}, {RunMode::shared_text, "f16"},
-          {RunMode::qkvshare, "f16"},  {RunMode::qkvshare, "int8"},   {RunMode::qkvshare, "int4"},
+  return {{RunMode::shared_text, "f32"}, {RunMode::independent, "f16"}, {RunMode::shared_text, "f16"},
+          {RunMode::qkvshare, "f16"},    {RunMode::qkvshare, "int8"},   {RunMode::qkvshare, "int4"},
           {RunMode::qkvshare, "int2"}};
+}
+
+std::vector<ModeSpec> parse_mode_specs(const std::string& text) {
+  std::vector<ModeSpec> specs;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, comma - pos);
+    pos = comma + 1;
+    if (item.empty()) fail(ErrorCode::invalid_argument, "--modes: empty item in '{}'", text);
+    const std::size_t colon = item.find(':');
+    ModeSpec s;
+    s.mode = parse_run_mode(item.substr(0, colon));
+    if (colon != std::string::npos) s.kv = item.substr(colon + 1);
+    else if (s.mode == RunMode::qkvshare) s.kv = "int8";
+    if (s.mode == RunMode::independent && s.kv != "f16")
+      fail(ErrorCode::invalid_argument, "--modes: '{}': independent agents keep f16 KV", item);
+    KvFormat::parse(s.kv);
+    specs.push_back(s);
+  }
+  return specs;
 }
 
 namespace {
@@ -41,6 +66,7 @@ ComparedRun run_in_child(const Workflow& wf, const std::string& model, const std
     try {
       opts.mode = spec.mode;
       opts.kv = spec.kv;
+      if (spec.mode == RunMode::shared_text) opts.text_kv = spec.kv;
       out = run_workflow(wf, model, tok, opts).json();
     } catch (const std::exception& e) {
       out = std::string("ERROR ") + e.what();
@@ -82,49 +108,67 @@ ComparedRun run_in_child(const Workflow& wf, const std::string& model, const std
 std::vector<ComparedRun> compare_modes(const Workflow& wf, const std::string& model_path,
                                        const std::string& tokenizer_path, const RunOptions& base,
                                        const std::vector<ModeSpec>& modes) {
+  if (modes.empty()) fail(ErrorCode::invalid_argument, "compare: no modes");
+  // The first mode records the token stream every other mode is forced along.
+  char trace_path[] = "/tmp/qkvshare-reference-XXXXXX";
+  const int fd = ::mkstemp(trace_path);
+  if (fd < 0) fail(ErrorCode::io, "mkstemp: {}", std::strerror(errno));
+  ::close(fd);
+  struct Unlink {
+    const char* p;
+    ~Unlink() { ::unlink(p); }
+  } unlink_at_end{trace_path};
   std::vector<ComparedRun> runs;
-  for (const auto& spec : modes) {
-    if (base.progress) base.progress("=== " + spec.label() + " ===");
-    runs.push_back(run_in_child(wf, model_path, tokenizer_path, base, spec));
+  for (std::size_t i = 0; i < modes.size(); ++i) {
+    if (base.progress) base.progress("=== " + modes[i].label() + (i == 0 ? " (reference) ===" : " ==="));
+    RunOptions o = base;
+    (i == 0 ? o.record_reference : o.force_reference) = trace_path;
+    runs.push_back(run_in_child(wf, model_path, tokenizer_path, o, modes[i]));
   }
-  // The f32-KV QKVShare run is the reference for output agreement.
-  const RunReport* ref = nullptr;
-  for (const auto& r : runs)
-    if (r.spec.mode == RunMode::qkvshare && r.spec.kv == "f32") ref = &r.report;
+  const RunReport& ref = runs.front().report;
   for (auto& r : runs) {
     std::size_t same = 0, total = 0;
-    double ttft = 0;
-    int consumers = 0;
+    double ttft = 0, kl = 0, nll = 0, top1 = 0;
+    int consumers = 0, scored = 0;
     for (std::size_t i = 0; i < r.report.steps.size(); ++i) {
       const auto& s = r.report.steps[i];
-      if (ref != nullptr) {
-        const auto& want = ref->steps[i].output_tokens;
-        const std::size_t n = std::max(want.size(), s.output_tokens.size());
-        same += static_cast<std::size_t>(token_agreement(want, s.output_tokens) * static_cast<double>(n) + 0.5);
-        total += n;
-      }
-      if (s.handoff != "new") {
-        ttft += s.ttft_seconds;
-        ++consumers;
+      const auto& want = ref.steps[i].output_tokens;
+      const std::size_t n = std::max(want.size(), s.output_tokens.size());
+      same += static_cast<std::size_t>(token_agreement(want, s.output_tokens) * static_cast<double>(n) + 0.5);
+      total += n;
+      if (s.handoff == "new") continue;
+      ttft += s.ttft_seconds;
+      ++consumers;
+      if (s.scored_tokens > 0) {
+        kl += s.kl * s.scored_tokens;
+        nll += s.nll * s.scored_tokens;
+        top1 += s.top1 * s.scored_tokens;
+        scored += s.scored_tokens;
       }
     }
     r.agreement = total == 0 ? 1.0 : static_cast<double>(same) / static_cast<double>(total);
     r.consumer_ttft = consumers == 0 ? 0.0 : ttft / consumers;
+    r.kl = scored == 0 ? 0.0 : kl / scored;
+    r.top1 = scored == 0 ? 1.0 : top1 / scored;
+    r.ppl = scored == 0 ? 0.0 : std::exp(nll / scored);
   }
   return runs;
 }
 
 std::string format_comparison(const std::vector<ComparedRun>& runs) {
-  std::string out = fmt::format("{:<16} {:>9} {:>12} {:>9} {:>9} {:>10} {:>10} {:>9}\n", "mode", "e2e s",
-                                "consumer TTFT", "prefill", "reused", "peak KV", "peak RSS", "agree");
-  out += fmt::format("{:<16} {:>9} {:>12} {:>9} {:>9} {:>10} {:>10} {:>9}\n", "", "", "s", "tokens", "tokens", "MiB",
-                     "MiB", "vs f32");
+  std::string out = fmt::format("{:<18} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8}\n", "mode", "e2e s",
+                                "consumer", "prefill", "reused", "peak KV", "peak RSS", "KL", "top-1", "PPL");
+  out += fmt::format("{:<18} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8}\n", "", "", "TTFT s", "tokens",
+                     "tokens", "MiB", "MiB", "vs ref", "vs ref", "forced");
   for (const auto& r : runs) {
-    out += fmt::format("{:<16} {:>9.2f} {:>12.4f} {:>9} {:>9} {:>10.2f} {:>10.1f} {:>8.1f}%\n", r.spec.label(),
-                       r.report.total_seconds, r.consumer_ttft, r.report.prefill_computed, r.report.prefill_reused,
-                       static_cast<double>(r.report.peak_kv_bytes) / (1 << 20),
-                       static_cast<double>(r.peak_rss_bytes) / (1 << 20), 100.0 * r.agreement);
+    out += fmt::format("{:<18} {:>8.2f} {:>9.4f} {:>8} {:>8} {:>8.2f} {:>9.1f} {:>9.5f} {:>6.1f}% {:>8.3f}\n",
+                       r.spec.label(), r.report.total_seconds, r.consumer_ttft, r.report.prefill_computed,
+                       r.report.prefill_reused, static_cast<double>(r.report.peak_kv_bytes) / (1 << 20),
+                       static_cast<double>(r.peak_rss_bytes) / (1 << 20), r.kl, 100.0 * r.top1, r.ppl);
   }
+  if (!runs.empty())
+    out += fmt::format("Every mode generates the tokens of {} (teacher forcing); KL, top-1 and PPL are measured along them "
+                       "over the consumer steps.\n", runs.front().spec.label());
   return out;
 }
 
@@ -136,6 +180,9 @@ std::string comparison_json(const std::vector<ComparedRun>& runs) {
     e["peak_rss_bytes"] = r.peak_rss_bytes;
     e["agreement"] = r.agreement;
     e["consumer_ttft_seconds"] = r.consumer_ttft;
+    e["kl"] = r.kl;
+    e["top1"] = r.top1;
+    e["ppl"] = r.ppl;
     j.push_back(std::move(e));
   }
   return j.dump(2);

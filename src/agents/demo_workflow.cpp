@@ -2,8 +2,9 @@
 
 namespace qkvshare::agents {
 
-// The README's main job: three agents on one task, each continuing the
-// context the previous one produced (examples/demo.yaml holds the same text).
+// The README's main job: three agents on one task, each with its own system
+// prompt, splicing the replies it builds on from the producers' KV
+// (examples/demo.yaml holds the same text).
 const char* demo_workflow_yaml() {
   return R"(name: research-write-review
 task: Explain why the sky is blue to a curious ten-year-old.
@@ -18,17 +19,17 @@ agents:
     max_tokens: 128
   reviewer:
     system: You are a strict reviewer.
-    prompt: "Review the explanation above for accuracy and clarity. Give two concrete suggestions."
+    prompt: "Review the explanation above for accuracy and clarity against the facts. Give two concrete suggestions."
     max_tokens: 96
 steps:
   - id: research
     agent: researcher
   - id: write
     agent: writer
-    inputs: [{from: research, mode: continue}]
+    inputs: [{from: research, mode: splice, recompute: 0.15}]
   - id: review
     agent: reviewer
-    inputs: [{from: write, mode: continue}]
+    inputs: [{from: research, mode: splice, recompute: 0.15}, {from: write, mode: splice, recompute: 0.15}]
 )";
 }
 

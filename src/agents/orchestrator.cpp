@@ -9,6 +9,8 @@
 #include "qkvshare/engine/generate.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 #include "qkvshare/share/handoff.hpp"
+#include "reference_trace.hpp"
+#include "splice_step.hpp"
 #include "transcript.hpp"
 
 namespace qkvshare::agents {
@@ -55,6 +57,11 @@ struct StepResult {
   std::string output;             // the reply alone
   std::vector<TokenId> pending;   // sampled but not yet in the KV (the last token)
   std::map<std::string, Descriptor> grants;  // consumer step id -> descriptor (qkvshare mode)
+  std::vector<TokenId> prompt;    // its prompt's ids, when a later step splices them
+  int prompt_begin = 0;           // their first index in the context
+  std::vector<TokenId> reply;     // the generated ids
+  int reply_begin = 0;            // the reply's first token in the sealed context
+  int reply_in_kv = 0;            // reply tokens with KV in it
 };
 
 class Run {
@@ -87,10 +94,14 @@ class Run {
         if (opts.tiers.budget_bytes > 0) tiers_ = std::make_unique<ContextTiers>(*pool_, opts.tiers);
       }
     }
+    if (!opts.force_reference.empty()) {
+      trace_ = ReferenceTrace::load(opts.force_reference);
+      forcing_ = true;
+    }
     report_.load_seconds = since(t0);
     report_.workflow = wf.name;
     report_.mode = opts.mode;
-    report_.kv = opts.mode == RunMode::qkvshare ? opts.kv : "f16";
+    report_.kv = opts.mode == RunMode::qkvshare ? opts.kv : text_kv();
   }
 
   RunReport run() {
@@ -115,6 +126,7 @@ class Run {
     report_.total_seconds = since(t0);
     if (tiers_) report_.tiers = tiers_->stats();
     tiers_.reset();  // removes the spill files
+    if (!opts_.record_reference.empty()) trace_.save(opts_.record_reference);
     if (pool_) {
       const ShareStats st = pool_->stats();
       report_.contexts_alive_at_end = st.contexts;
@@ -135,11 +147,14 @@ class Run {
     if (private_pool) {
       PoolConfig pc;
       pc.shape = r->engine->kv_shape();
-      pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, pc.block_tokens, KvFormat::parse("f16"), opts_.context, 2);
+      pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, pc.block_tokens, KvFormat::parse(text_kv()), opts_.context, 2);
       r->private_pool = KvPool::create(pc);
     }
     return r;
   }
+
+  // The KV format of the text modes' private caches: f16, or the shared-text reference's f32.
+  std::string text_kv() const { return opts_.mode == RunMode::shared_text ? opts_.text_kv : "f16"; }
 
   Runtime& runtime(const std::string& agent) {
     return opts_.mode == RunMode::independent ? *runtimes_.at(agent) : *shared_;
@@ -169,6 +184,7 @@ class Run {
     std::unique_ptr<Session> session;
     std::vector<TokenId> feed;
     std::string transcript;
+    StepResult result;
     const StepInput* base = step.context_input();
     if (base != nullptr && opts_.mode == RunMode::qkvshare) {
       StepResult& up = results_.at(base->from);
@@ -192,6 +208,45 @@ class Run {
       const auto tail_ids = tok.encode(tail, true);
       feed.insert(feed.end(), tail_ids.begin(), tail_ids.end());
       transcript = up.transcript + tail;
+    } else if (step.splices()) {
+      session = new_session(rt, step);
+      std::vector<SpliceInput> inputs;
+      std::map<std::string, Descriptor> restored;  // under a budget: descriptors of the live copies
+      for (const auto& in : step.inputs) {
+        if (in.mode != HandoffMode::splice) continue;
+        StepResult& up = results_.at(in.from);
+        const auto g = up.grants.find(step.id);
+        const Descriptor* grant = g != up.grants.end() ? &g->second : nullptr;
+        if (tiers_ && grant != nullptr) grant = &restored.emplace(in.from, tiers_->acquire(in.from, step.id)).first->second;
+        SpliceInput si{in.from, in.recompute, grant, {}};
+        if (in.splice_prompt) si.parts.push_back(SplicePart{up.prompt, up.prompt_begin, static_cast<int>(up.prompt.size())});
+        if (in.splice_reply) si.parts.push_back(SplicePart{up.reply, up.reply_begin, up.reply_in_kv});
+        inputs.push_back(std::move(si));
+      }
+      const PreparedSplice ps =
+          prepare_splice_step(*rt.engine, *session, opts_.mode == RunMode::qkvshare ? pool_.get() : nullptr,
+                              fingerprint_, turns, agent.system, prompt, step.id, inputs, opts_.splice, opts_.context);
+      for (const auto& in : step.inputs) {
+        if (in.mode != HandoffMode::splice) continue;
+        results_.at(in.from).grants.erase(step.id);  // released by the splice
+        if (tiers_ && restored.count(in.from) != 0) tiers_->consumed(in.from, step.id);
+      }
+      feed = ps.feed;
+      transcript = ps.transcript;
+      m.handoff = ps.to_text > 0 && ps.to_text == ps.splices ? "splice:text" : ps.handoff;
+      m.handoff_seconds = ps.seconds;
+      m.prefill_computed += ps.computed;
+      m.prefill_reused = ps.reused;
+      m.splice_tokens = ps.spliced;
+      m.splice_recomputed = ps.recomputed;
+      m.guard_probe_tokens = ps.probe_tokens;
+      m.guard_estimate = ps.estimate;
+      m.recompute_fraction = ps.fraction;
+      m.guard_raised = ps.raised;
+      m.guard_text = ps.to_text;
+      report_.splices += ps.splices;
+      report_.guard_raised += ps.raised;
+      report_.guard_text += ps.to_text;
     } else {
       session = new_session(rt, step);
       if (base != nullptr) {  // text handoff: re-read the upstream transcript
@@ -202,25 +257,78 @@ class Run {
         m.handoff = "new";
       }
       if (tok.add_bos() && tok.bos_id() >= 0) feed.push_back(tok.bos_id());
-      const auto ids = tok.encode(transcript, true);
-      feed.insert(feed.end(), ids.begin(), ids.end());
+      if (base == nullptr && prompt_spliced(step)) {
+        // Its prompt is spliced by a later step: encoded on its own, so that its ids are one known run.
+        const auto head = tok.encode(turns.open_user(agent.system), true);
+        feed.insert(feed.end(), head.begin(), head.end());
+        result.prompt = tok.encode(prompt, true);
+        result.prompt_begin = static_cast<int>(feed.size());
+        feed.insert(feed.end(), result.prompt.begin(), result.prompt.end());
+        const auto tail = tok.encode(turns.close_user(), true);
+        feed.insert(feed.end(), tail.begin(), tail.end());
+      } else {
+        const auto ids = tok.encode(transcript, true);
+        feed.insert(feed.end(), ids.begin(), ids.end());
+      }
     }
 
     GenerateOptions go;
     go.max_new_tokens = opts_.max_tokens_cap > 0 ? std::min(agent.max_tokens, opts_.max_tokens_cap) : agent.max_tokens;
     go.sampling = agent.sampling;
     go.stop_strings = agent.stop;
-    StepResult result;
     if (feed.empty()) {
       m.ttft_seconds = since(t0);
     } else {
       const int n0 = session->n_past();
-      const GenerateResult g = generate(*rt.engine, *session, feed, go);
+      QualitySum quality;
+      GenerateResult g;
+      const auto forced = forcing_ ? trace_.steps.find(step.id) : trace_.steps.end();
+      if (forced != trace_.steps.end()) {  // equal work: the reference run's tokens
+        const TraceStep& ref = forced->second;
+        std::size_t i = 0;
+        g = generate_forced(*rt.engine, *session, feed, ref.tokens, [&](std::span<const float> logits) {
+          quality.add(&ref.logprobs[i * logits.size()], logits, ref.tokens[i]);
+          ++i;
+        });
+      } else {
+        TraceStep rec;
+        if (!opts_.record_reference.empty())
+          go.on_logits = [&](std::span<const float> logits) {
+            const std::size_t at = rec.logprobs.size();
+            rec.logprobs.resize(at + logits.size());
+            std::vector<float> row;
+            log_softmax(logits, row);
+            std::copy(row.begin(), row.end(), rec.logprobs.begin() + static_cast<std::ptrdiff_t>(at));
+          };
+        g = generate(*rt.engine, *session, feed, go);
+        if (!opts_.record_reference.empty()) {
+          const std::size_t vocab = static_cast<std::size_t>(rt.model->config().vocab_size);
+          rec.tokens = g.tokens;
+          rec.logprobs.resize(g.tokens.size() * vocab);  // not the row that sampled the end of generation
+          for (std::size_t i = 0; i < g.tokens.size(); ++i) {
+            std::vector<float> row(rec.logprobs.begin() + static_cast<std::ptrdiff_t>(i * vocab),
+                                   rec.logprobs.begin() + static_cast<std::ptrdiff_t>((i + 1) * vocab));
+            std::vector<float> logits(row.begin(), row.end());
+            quality.add(row.data(), logits, g.tokens[i]);  // its own PPL; KL 0, top-1 1
+          }
+          trace_.vocab = static_cast<int>(vocab);
+          trace_.steps[step.id] = std::move(rec);
+        }
+      }
+      if (quality.n > 0) {
+        m.kl = quality.kl / quality.n;
+        m.top1 = static_cast<double>(quality.same) / quality.n;
+        m.nll = quality.nll / quality.n;
+        m.scored_tokens = quality.n;
+      }
       m.ttft_seconds = m.handoff_seconds + g.prefill_seconds;
       m.prefill_computed += g.prefill_tokens;
       m.decode_tokens = static_cast<int>(g.tokens.size());
       m.output_tokens = g.tokens;
       m.output = g.text;
+      result.reply = g.tokens;
+      result.reply_begin = n0 + static_cast<int>(feed.size());
+      result.reply_in_kv = session->n_past() - result.reply_begin;
       // The last sampled token has no KV yet; a continuing consumer feeds it.
       if (!g.tokens.empty() &&
           session->n_past() < n0 + static_cast<int>(feed.size()) + static_cast<int>(g.tokens.size()))
@@ -246,7 +354,14 @@ class Run {
       return new_pooled_session(*pool_, *rt.engine, KvFormat::parse(kv.empty() ? opts_.kv : kv), opts_.context);
     }
     return std::make_unique<Session>(
-        std::make_unique<PooledKvCache>(rt.private_pool, KvFormat::parse("f16"), opts_.context));
+        std::make_unique<PooledKvCache>(rt.private_pool, KvFormat::parse(text_kv()), opts_.context));
+  }
+
+  bool prompt_spliced(const StepSpec& step) const {
+    for (const auto& s : wf_.steps)
+      for (const auto& in : s.inputs)
+        if (in.from == step.id && in.mode == HandoffMode::splice && in.splice_prompt) return true;
+    return false;
   }
 
   // Seals the step's context and grants it to each step that builds on it;
@@ -254,9 +369,24 @@ class Run {
   void hand_over(const StepSpec& step, const Session& session, StepResult& result) {
     std::vector<std::string> consumers;
     for (const auto& s : wf_.steps)
-      if (const StepInput* in = s.context_input(); in != nullptr && in->from == step.id) consumers.push_back(s.id);
+      for (const auto& in : s.inputs)
+        if (in.from == step.id && in.mode != HandoffMode::text) consumers.push_back(s.id);
     if (consumers.empty()) return;
-    const SealedContext sealed = seal_session(*pool_, *runtime(step.agent).engine, fingerprint_, session, step.id);
+    // A spliced context is handed on as its tail (what this step wrote after
+    // its last splice); the workflow check allows only splice consumers then.
+    const auto& cache = dynamic_cast<const PooledKvCache&>(session.cache());
+    std::unique_ptr<PooledKvCache> tail;
+    std::span<const TokenId> tokens(session.tokens());
+    if (cache.tail_begin() > 0) {
+      tail = cache.tail_context();
+      tokens = tokens.subspan(static_cast<std::size_t>(cache.tail_begin()));
+      result.reply_begin -= cache.tail_begin();
+      result.prompt_begin -= cache.tail_begin();
+    }
+    const Tokenizer& tok = runtime(step.agent).model->tokenizer();
+    const SealedContext sealed =
+        pool_->seal(tail ? *tail : cache, tokens, tok.decode(std::vector<TokenId>(tokens.begin(), tokens.end())),
+                    fingerprint_, step.id);
     for (const auto& c : consumers) result.grants.emplace(c, pool_->grant(sealed, step.id, c));
     pool_->release(sealed);
     if (tiers_) tiers_->add(step.id, result.grants, position_);
@@ -277,6 +407,8 @@ class Run {
   ModelFingerprint fingerprint_;
   std::map<std::string, StepResult> results_;
   std::map<std::string, std::string> outputs_;
+  ReferenceTrace trace_;  // recorded (record_reference) or forced (force_reference)
+  bool forcing_ = false;
 };
 
 }  // namespace

@@ -27,6 +27,9 @@ std::string RunReport::json() const {
                 {"restore_wait_seconds", tiers.restore_wait_seconds},
                 {"peak_at_rest_bytes", tiers.peak_at_rest_bytes},
                 {"failures", tiers.failures}};
+  j["splices"] = splices;
+  j["guard_raised"] = guard_raised;
+  j["guard_text"] = guard_text;
   j["steps"] = nlohmann::json::array();
   for (const auto& s : steps) {
     j["steps"].push_back({{"step", s.step},
@@ -39,6 +42,17 @@ std::string RunReport::json() const {
                           {"prefill_reused", s.prefill_reused},
                           {"decode_tokens", s.decode_tokens},
                           {"kv_bytes", s.kv_bytes},
+                          {"splice_tokens", s.splice_tokens},
+                          {"splice_recomputed", s.splice_recomputed},
+                          {"guard_probe_tokens", s.guard_probe_tokens},
+                          {"guard_estimate", s.guard_estimate},
+                          {"recompute_fraction", s.recompute_fraction},
+                          {"guard_raised", s.guard_raised},
+                          {"guard_text", s.guard_text},
+                          {"kl", s.kl},
+                          {"top1", s.top1},
+                          {"nll", s.nll},
+                          {"scored_tokens", s.scored_tokens},
                           {"output_tokens", s.output_tokens},
                           {"output", s.output}});
   }
@@ -71,6 +85,9 @@ RunReport RunReport::from_json(const std::string& text) {
       r.tiers.peak_at_rest_bytes = t->at("peak_at_rest_bytes").get<std::size_t>();
       r.tiers.failures = t->at("failures").get<std::vector<std::string>>();
     }
+    r.splices = j.at("splices").get<int>();
+    r.guard_raised = j.at("guard_raised").get<int>();
+    r.guard_text = j.at("guard_text").get<int>();
     for (const auto& s : j.at("steps")) {
       StepMetrics m;
       m.step = s.at("step").get<std::string>();
@@ -83,6 +100,17 @@ RunReport RunReport::from_json(const std::string& text) {
       m.prefill_reused = s.at("prefill_reused").get<int>();
       m.decode_tokens = s.at("decode_tokens").get<int>();
       m.kv_bytes = s.at("kv_bytes").get<std::size_t>();
+      m.splice_tokens = s.at("splice_tokens").get<int>();
+      m.splice_recomputed = s.at("splice_recomputed").get<int>();
+      m.guard_probe_tokens = s.at("guard_probe_tokens").get<int>();
+      m.guard_estimate = s.at("guard_estimate").get<double>();
+      m.recompute_fraction = s.at("recompute_fraction").get<double>();
+      m.guard_raised = s.at("guard_raised").get<int>();
+      m.guard_text = s.at("guard_text").get<int>();
+      m.kl = s.at("kl").get<double>();
+      m.top1 = s.at("top1").get<double>();
+      m.nll = s.at("nll").get<double>();
+      m.scored_tokens = s.at("scored_tokens").get<int>();
       m.output_tokens = s.at("output_tokens").get<std::vector<TokenId>>();
       m.output = s.at("output").get<std::string>();
       r.steps.push_back(std::move(m));

@@ -18,6 +18,12 @@ std::string TurnFormat::open(const std::string& system, const std::string& user)
   return s;
 }
 
+std::string TurnFormat::open_user(const std::string& system) const {
+  return (system.empty() ? "" : turn("system", system)) + (chatml_ ? "<|im_start|>user\n" : "");
+}
+
+std::string TurnFormat::close_user() const { return chatml_ ? "<|im_end|>\n<|im_start|>assistant\n" : "\n"; }
+
 std::string TurnFormat::append(const std::string& system, const std::string& user) const {
   // The previous reply is still open: close it, then open the new turn.
   return (chatml_ ? "<|im_end|>\n" : "\n") + open(system, user);

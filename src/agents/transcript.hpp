@@ -13,6 +13,10 @@ class TurnFormat {
   explicit TurnFormat(const Tokenizer& tok);
   // The opening of a fresh context: system and user turns, then the assistant's start.
   std::string open(const std::string& system, const std::string& user) const;
+  // open() in two halves around the user turn's content:
+  // open(s, u) == open_user(s) + u + close_user().
+  std::string open_user(const std::string& system) const;
+  std::string close_user() const;
   // Appended to an existing transcript that ends with an assistant reply.
   std::string append(const std::string& system, const std::string& user) const;
   bool chatml() const noexcept { return chatml_; }

@@ -15,14 +15,21 @@ std::string_view to_string(HandoffMode mode) noexcept {
     case HandoffMode::text: return "text";
     case HandoffMode::continue_: return "continue";
     case HandoffMode::fork: return "fork";
+    case HandoffMode::splice: return "splice";
   }
   return "?";
 }
 
 const StepInput* StepSpec::context_input() const {
   for (const auto& in : inputs)
-    if (in.mode != HandoffMode::text) return &in;
+    if (in.mode == HandoffMode::continue_ || in.mode == HandoffMode::fork) return &in;
   return nullptr;
+}
+
+bool StepSpec::splices() const {
+  for (const auto& in : inputs)
+    if (in.mode == HandoffMode::splice) return true;
+  return false;
 }
 
 const StepSpec& Workflow::step(const std::string& id) const {
@@ -114,7 +121,7 @@ class Parser {
       return in;
     }
     if (!n.IsMap()) error(n, "an input must be a step id or a mapping {from, mode}");
-    only_keys(n, {"from", "mode"}, "input");
+    only_keys(n, {"from", "mode", "recompute", "span"}, "input");
     if (!n["from"]) error(n, "input needs 'from'");
     in.from = scalar<std::string>(n["from"], "from");
     if (n["mode"]) {
@@ -122,7 +129,23 @@ class Parser {
       if (mode == "text") in.mode = HandoffMode::text;
       else if (mode == "continue") in.mode = HandoffMode::continue_;
       else if (mode == "fork") in.mode = HandoffMode::fork;
-      else error(n["mode"], "unknown handoff mode '" + mode + "' (text, continue, fork)");
+      else if (mode == "splice") in.mode = HandoffMode::splice;
+      else error(n["mode"], "unknown handoff mode '" + mode + "' (text, continue, fork, splice)");
+    }
+    if (n["recompute"]) {
+      if (in.mode != HandoffMode::splice) error(n["recompute"], "'recompute' applies to mode splice only");
+      const auto r = scalar<double>(n["recompute"], "recompute");
+      if (!(r >= 0.0 && r <= 1.0))
+        error(n["recompute"], "recompute must be a fraction from 0 to 1 (0.15 recomputes 15% of the spliced tokens)");
+      in.recompute = r;
+    }
+    if (n["span"]) {
+      if (in.mode != HandoffMode::splice) error(n["span"], "'span' applies to mode splice only");
+      const auto span = scalar<std::string>(n["span"], "span");
+      if (span == "reply") in.splice_prompt = false;
+      else if (span == "prompt") in.splice_prompt = true, in.splice_reply = false;
+      else if (span == "both") in.splice_prompt = true;
+      else error(n["span"], "unknown span '" + span + "' (reply, prompt, both)");
     }
     return in;
   }
@@ -189,8 +212,19 @@ void validate(Workflow& w) {
       if (in.from == s.id) fail(ErrorCode::bad_workflow, "{}:{}: step '{}' reads itself", src, in.line, s.id);
       if (!seen.insert(in.from).second)
         fail(ErrorCode::bad_workflow, "{}:{}: step '{}' reads '{}' twice", src, in.line, s.id, in.from);
-      if (in.mode != HandoffMode::text && ++context_inputs > 1)
+      const bool context = in.mode == HandoffMode::continue_ || in.mode == HandoffMode::fork;
+      if (context && w.step(in.from).splices())
+        fail(ErrorCode::bad_workflow, "{}:{}: step '{}' cannot {} '{}', whose context holds spliced segments: splice its reply",
+             src, in.line, s.id, to_string(in.mode), in.from);
+      if (in.mode == HandoffMode::splice && in.splice_prompt &&
+          (w.step(in.from).splices() || w.step(in.from).context_input() != nullptr))
+        fail(ErrorCode::bad_workflow, "{}:{}: step '{}' splices the prompt of '{}', which does not start a context of its own",
+             src, in.line, s.id, in.from);
+      if (context && ++context_inputs > 1)
         fail(ErrorCode::bad_workflow, "{}:{}: step '{}' builds on more than one context (one continue/fork input at most)",
+             src, in.line, s.id);
+      if (in.mode == HandoffMode::splice && s.context_input() != nullptr)
+        fail(ErrorCode::bad_workflow, "{}:{}: step '{}' splices into its own context, so it cannot also continue or fork one",
              src, in.line, s.id);
       if (in.mode == HandoffMode::continue_ && ++continued[in.from] > 1)
         fail(ErrorCode::bad_workflow, "{}:{}: context of '{}' is continued by several steps: use mode fork", src,

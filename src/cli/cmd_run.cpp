@@ -26,6 +26,8 @@ struct RunArgs {
   int ctx = 4096;
   int max_tokens = 0;
   bool compare = false;
+  double guard_threshold = -1;
+  std::string modes;  // --modes: labels for --compare (the first is the reference)
   bool quiet = false;
   std::string json;
   std::string kv_budget, spill_dir, key;
@@ -70,6 +72,7 @@ void execute(const Workflow& wf, const RunArgs& a) {
   opts.exact_matmul = a.model.exact_matmul;
   opts.context = a.ctx;
   opts.max_tokens_cap = a.max_tokens;
+  opts.splice.threshold = a.guard_threshold;
   if (!a.quiet) opts.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   if (!a.kv_budget.empty()) {
     opts.tiers.budget_bytes = parse_bytes(a.kv_budget, "--kv-budget");
@@ -87,7 +90,8 @@ void execute(const Workflow& wf, const RunArgs& a) {
     if (!a.json.empty()) write_file(a.json, r.json());
     return;
   }
-  const auto runs = compare_modes(wf, a.model.model_path, a.model.tokenizer_path, opts, default_comparison());
+  const auto runs = compare_modes(wf, a.model.model_path, a.model.tokenizer_path, opts,
+                                  a.modes.empty() ? default_comparison() : parse_mode_specs(a.modes));
   for (const auto& r : runs)
     if (r.spec.mode == RunMode::qkvshare && r.spec.kv == "int8") print_outputs(r.report);
   std::printf("\n%s", format_comparison(runs).c_str());
@@ -114,6 +118,11 @@ void add_common(CLI::App& cmd, RunArgs& a) {
   cmd.add_option("--max-tokens", a.max_tokens, "Cap every agent's new tokens (0: as the workflow says)")
       ->check(CLI::Range(0, 1 << 20));
   cmd.add_flag("--compare", a.compare, "Run in every mode and print one comparison table");
+  cmd.add_option("--guard-threshold", a.guard_threshold,
+                 "Splice guard: estimate above which more is recomputed (default: calibrated per KV format)");
+  cmd.add_option("--modes", a.modes,
+                 "With --compare: modes, comma separated (shared-text:f32, independent, shared-text, qkvshare:int8, ...); "
+                 "the first is the reference the others are forced along");
   cmd.add_flag("-q,--quiet", a.quiet, "No progress lines on stderr");
   cmd.add_option("--json", a.json, "Write the report (or the comparison) as JSON to FILE");
   cmd.add_option("--kv-budget", a.kv_budget, "qkvshare mode: pool bytes for contexts at rest (e.g. 8M); spill the rest");

@@ -38,5 +38,6 @@ void register_context(CLI::App&);  // share: cmd_context.cpp
 void register_pool(CLI::App&);     // share: cmd_pool.cpp
 void register_eval(CLI::App&);
 void register_run(CLI::App&);
+void register_splice_eval(CLI::App&);
 
 }  // namespace qkvshare::cli

@@ -26,6 +26,13 @@ KvShape Engine::kv_shape() const noexcept {
   return KvShape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim};
 }
 
+KvRope Engine::rope() const { return KvRope{inv_freq_, model_.config().rope_style}; }
+
+void Session::note_placed(std::span<const TokenId> tokens) {
+  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+  QKV_CHECK(static_cast<int>(tokens_.size()) == cache_->size());
+}
+
 std::unique_ptr<Session> Engine::new_session(int capacity) const {
   if (capacity <= 0) capacity = model_.config().context_length;
   return std::make_unique<Session>(std::make_unique<DenseKvCache>(kv_shape(), capacity));

@@ -139,6 +139,7 @@ void Scheduler::sample(Active& a, std::span<const float> logits) {
     a.prev = session.tokens().back();
     if (o.max_new_tokens == 0) return finish(a, StopReason::max_tokens, std::nullopt);
   }
+  if (o.on_logits) o.on_logits(logits);
   const TokenId next = a.sampler.sample(logits, session.tokens());
   if (g.tokens.empty()) a.result.ttft_seconds = seconds_between(a.submitted, Clock::now());
   if (o.stop_at_end_of_generation && tok.is_end_of_generation(next))

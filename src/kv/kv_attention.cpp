@@ -50,7 +50,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
              Partial* part_ml, float* part_o) {
   const KvShape& s = in.shape;
   const int D = s.head_dim, T = in.block_tokens, G = s.n_heads / s.n_kv_heads;
-  const int nq = (t1 - t0) * G, keys = (b1 - b0) * T, total = in.first_pos + in.n;
+  const int nq = (t1 - t0) * G, keys = (b1 - b0) * T, total = in.key_total();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   thread_local std::vector<float> qbuf, obuf, scores, tile;
   qbuf.resize(static_cast<std::size_t>(nq) * D);
@@ -66,9 +66,12 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     std::memcpy(&qbuf[static_cast<std::size_t>(i) * D], in.q + static_cast<std::size_t>(t) * s.q_dim() + qh * D,
                 sizeof(float) * static_cast<std::size_t>(D));
     if (in.rotate_k) rotate(&qbuf[static_cast<std::size_t>(i) * D], D);
-    visible[static_cast<std::size_t>(i)] = std::clamp(in.first_pos + t + 1 - b0 * T, 0, keys);
+    const int seen = in.causal ? std::min(in.first_pos + t + 1, total) : total;
+    visible[static_cast<std::size_t>(i)] = std::clamp(seen - b0 * T, 0, keys);
   }
-  const int last_block = std::min(b1, (in.first_pos + t1 - 1) / T + 1);
+  const int last_block = std::min(b1, in.causal ? (in.first_pos + t1 - 1) / T + 1 : (total + T - 1) / T);
+  // Rows of block 0 before key_lo belong to another segment: never read.
+  const auto lo_of = [&](int b) { return b == 0 ? in.key_lo : 0; };
   for (int b = b0; b < last_block; ++b) {
     const int rows = std::min(T, total - b * T);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
@@ -82,13 +85,17 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       const int lim = std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T);
       float* sc = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       const float* qi = &qbuf[static_cast<std::size_t>(i) * D];
-      if (lim > 0) ml[static_cast<std::size_t>(i)].m = std::max(ml[static_cast<std::size_t>(i)].m, ops.scores(qi, k, lim, D, scale, sc));
+      const int lo = lo_of(b);
+      if (lim > lo)
+        ml[static_cast<std::size_t>(i)].m = std::max(
+            ml[static_cast<std::size_t>(i)].m, ops.scores(qi, k + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D, scale, sc + lo));
     }
   }
   for (int i = 0; i < nq; ++i) {
     const int nv = visible[static_cast<std::size_t>(i)];
     Partial& p = ml[static_cast<std::size_t>(i)];
-    if (nv > 0) p.l = ops.exp_sum(&scores[static_cast<std::size_t>(i) * keys], nv, p.m);
+    const int lo = lo_of(b0);
+    if (nv > lo) p.l = ops.exp_sum(&scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(lo)], nv - lo, p.m);
   }
   for (int b = b0; b < last_block; ++b) {
     const int rows = std::min(T, total - b * T);
@@ -103,7 +110,8 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       const int lim = std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T);
       const float* p = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       float* o = &obuf[static_cast<std::size_t>(i) * D];
-      if (lim > 0) ops.weighted_sum(o, p, v, lim, D);
+      const int lo = lo_of(b);
+      if (lim > lo) ops.weighted_sum(o, p + lo, v + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D);
     }
   }
   for (int i = 0; i < nq; ++i) {
@@ -126,13 +134,15 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
 
 void BlockAttend::prepare(const AttendInput& in, AttendPath path) {
   const KvShape& s = in.shape;
-  QKV_CHECK(in.n > 0 && in.n_blocks * in.block_tokens >= in.first_pos + in.n);
+  QKV_CHECK(in.n > 0 && in.n_blocks * in.block_tokens >= in.key_total() && in.key_lo >= 0 &&
+            in.key_lo < in.block_tokens);
   in_ = in;
+  const bool plain = in.key_lo == 0 && in.key_end < 0 && in.causal && in.out_ml == nullptr;
   bool all_f32 = true;
   for (int b = 0; b < in.n_blocks; ++b)
     all_f32 = all_f32 && in.k_codecs[b].type == KvType::f32 && in.v_codecs[b].type == KvType::f32;
-  if (path == AttendPath::exact || (path == AttendPath::automatic && all_f32 && !in.rotate_k && !in.rotate_v)) {
-    QKV_CHECK(all_f32 && !in.rotate_k && !in.rotate_v);
+  if (path == AttendPath::exact || (path == AttendPath::automatic && all_f32 && !in.rotate_k && !in.rotate_v && plain)) {
+    QKV_CHECK(all_f32 && !in.rotate_k && !in.rotate_v && plain);
     ops_ = nullptr;
     return;
   }
@@ -161,7 +171,7 @@ std::size_t BlockAttend::jobs() const noexcept {
 
 double BlockAttend::job_cost() const noexcept {
   const KvShape& s = in_.shape;
-  const double keys = in_.first_pos + 0.5 * in_.n + 1.0;
+  const double keys = in_.causal ? in_.first_pos + 0.5 * in_.n + 1.0 : in_.key_total() - in_.key_lo;
   if (ops_ == nullptr) return keys * s.head_dim;
   const double queries = std::min(in_.n, kChunkTokens) * (s.n_heads / s.n_kv_heads);
   return queries * std::min(keys, static_cast<double>(kPartitionBlocks * in_.block_tokens)) * s.head_dim;
@@ -177,12 +187,17 @@ void BlockAttend::run(std::size_t job) {
   const int c = static_cast<int>(job / parts % chunks);
   const int h = static_cast<int>(job / parts / chunks);
   const int t0 = c * kChunkTokens, t1 = std::min(in_.n, t0 + kChunkTokens);
-  const bool partial = parts_ > 1;
-  const int b0 = partial ? p * kPartitionBlocks : 0;
-  const int b1 = partial ? std::min(in_.n_blocks, b0 + kPartitionBlocks) : in_.n_blocks;
+  const bool split = parts_ > 1;
+  const int b0 = split ? p * kPartitionBlocks : 0;
+  const int b1 = split ? std::min(in_.n_blocks, b0 + kPartitionBlocks) : in_.n_blocks;
   const std::size_t slot0 = slots_ * static_cast<std::size_t>(p);
-  run_job(in_, *ops_, h, t0, t1, b0, b1, partial, partial ? ml_.data() + slot0 : nullptr,
-          partial ? po_.data() + slot0 * static_cast<std::size_t>(in_.shape.head_dim) : nullptr);
+  if (!split && in_.out_ml != nullptr) {  // one partition: its pieces are the result
+    static_assert(sizeof(Partial) == 2 * sizeof(float));
+    run_job(in_, *ops_, h, t0, t1, b0, b1, true, reinterpret_cast<Partial*>(in_.out_ml), in_.out_o);
+    return;
+  }
+  run_job(in_, *ops_, h, t0, t1, b0, b1, split, split ? ml_.data() + slot0 : nullptr,
+          split ? po_.data() + slot0 * static_cast<std::size_t>(in_.shape.head_dim) : nullptr);
 }
 
 void BlockAttend::finish() {
@@ -193,7 +208,8 @@ void BlockAttend::finish() {
   for (std::size_t slot = 0; slot < slots; ++slot) {
     float M = -std::numeric_limits<float>::infinity();
     for (int p = 0; p < parts; ++p) M = std::max(M, ml_[slots * p + slot].m);
-    float* dst = in_.out + slot * static_cast<std::size_t>(D);  // slot = t * n_heads + qh
+    // slot = t * n_heads + qh
+    float* dst = (in_.out_ml != nullptr ? in_.out_o : in_.out) + slot * static_cast<std::size_t>(D);
     std::fill(dst, dst + D, 0.0f);
     float L = 0.0f;
     for (int p = 0; p < parts; ++p) {
@@ -203,6 +219,11 @@ void BlockAttend::finish() {
       L += w * pm.l;
       const float* o = &po_[(slots * p + slot) * static_cast<std::size_t>(D)];
       for (int c = 0; c < D; ++c) dst[c] += w * o[c];
+    }
+    if (in_.out_ml != nullptr) {
+      in_.out_ml[2 * slot] = M;
+      in_.out_ml[2 * slot + 1] = L;
+      continue;
     }
     const float inv = 1.0f / L;
     for (int c = 0; c < D; ++c) dst[c] *= inv;

@@ -26,6 +26,19 @@ struct AttendInput {
   const KvCodec* v_codecs = nullptr;
   bool rotate_k = false;
   bool rotate_v = false;
+  // A segment of a spliced context: its keys are rows [key_lo, key_end) of
+  // the blocks (key_end < 0: first_pos + n); causal == false when every query
+  // sees all of them (a segment before the queries).
+  int key_lo = 0;
+  int key_end = -1;
+  bool causal = true;
+  // When set, the softmax pieces are written instead of `out`, per slot
+  // t * n_heads + h: running max and sum of exp in out_ml[2 * slot], the
+  // unnormalized weighted sum of values (still Hadamard-rotated) in
+  // out_o[slot * head_dim]; a query that sees no key gets (-inf, 0, 0).
+  float* out_ml = nullptr;
+  float* out_o = nullptr;
+  int key_total() const noexcept { return key_end >= 0 ? key_end : first_pos + n; }
 };
 
 // The attention of one AttendInput as independent jobs (see AttendWork):

@@ -1,13 +1,79 @@
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "kv_attention.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 
 namespace qkvshare {
+
+namespace kv {
+
+// Attention over several segments as one AttendWork: one BlockAttend per
+// segment (frozen segments are seen whole by every query, the tail causally),
+// each reading its keys with the query rotated back by the segment's offset,
+// so that (R(-d) q(m)) . k(n) = q(m) . R(d) k(n) puts them at their new
+// positions; each writes softmax pieces, and finish() merges them as split-K
+// decode does (weights exp(m - M)).
+class SegmentAttend final : public AttendWork {
+ public:
+  struct Part {
+    BlockAttend work;
+    std::vector<const std::byte*> tiles;
+    std::vector<KvCodec> codecs;
+    std::vector<float> q;  // the rotated query, when the offset is not 0
+  };
+  std::vector<Part> parts;
+  std::size_t used = 0;  // parts of the current plan
+  std::vector<float> ml, po;
+  std::vector<std::size_t> first_job;  // [used + 1]
+  float* out = nullptr;
+  std::size_t slots = 0;
+  int head_dim = 0;
+  bool rotate_v = false;
+
+  std::size_t jobs() const noexcept override { return first_job[used]; }
+  double job_cost() const noexcept override {
+    double c = 0;
+    for (std::size_t i = 0; i < used; ++i) c += parts[i].work.job_cost() * static_cast<double>(parts[i].work.jobs());
+    return jobs() == 0 ? 0.0 : c / static_cast<double>(jobs());
+  }
+  void run(std::size_t job) override {
+    const std::size_t i =
+        static_cast<std::size_t>(std::upper_bound(first_job.begin(), first_job.begin() + static_cast<std::ptrdiff_t>(used) + 1, job) -
+                                 first_job.begin()) - 1;
+    parts[i].work.run(job - first_job[i]);
+  }
+  void finish() override {
+    for (std::size_t i = 0; i < used; ++i) parts[i].work.finish();
+    const int D = head_dim;
+    for (std::size_t slot = 0; slot < slots; ++slot) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (std::size_t si = 0; si < used; ++si)
+        if (ml[(si * slots + slot) * 2 + 1] > 0.0f) M = std::max(M, ml[(si * slots + slot) * 2]);
+      float* dst = out + slot * static_cast<std::size_t>(D);
+      std::fill(dst, dst + D, 0.0f);
+      float L = 0.0f;
+      for (std::size_t si = 0; si < used; ++si) {
+        const float m = ml[(si * slots + slot) * 2], l = ml[(si * slots + slot) * 2 + 1];
+        if (l == 0.0f) continue;
+        const float w = std::exp(m - M);
+        L += w * l;
+        const float* o = &po[(si * slots + slot) * static_cast<std::size_t>(D)];
+        for (int c = 0; c < D; ++c) dst[c] += w * o[c];
+      }
+      const float inv = 1.0f / L;
+      for (int c = 0; c < D; ++c) dst[c] *= inv;
+      if (rotate_v) unrotate(dst, D);
+    }
+  }
+};
+
+}  // namespace kv
 
 // Blocks this pass writes: `dst` receives rows; `src` holds the committed rows
 // [0, old_rows) (the same block when it is written in place).
@@ -31,7 +97,7 @@ PooledKvCache::PooledKvCache(std::shared_ptr<KvPool> pool, const KvFormat& forma
   if (!pool_) fail(ErrorCode::invalid_argument, "pooled KV cache: no pool");
   if (capacity <= 0) fail(ErrorCode::invalid_argument, "KV cache capacity must be positive, got {}", capacity);
   format_.validate(pool_->shape(), pool_->block_tokens());
-  segments_.push_back(KvSegment{});
+  segments_.push_back(KvSegment{0, {}, 0, 0});
 }
 
 PooledKvCache::~PooledKvCache() {
@@ -47,6 +113,8 @@ std::unique_ptr<PooledKvCache> PooledKvCache::fork() const {
   for (const KvSegment& s : copy->segments_)
     for (BlockRef b : s.blocks) pool_->retain(b);
   copy->size_ = size_;
+  copy->base_ = base_;
+  copy->rope_ = rope_;
   copy->path_ = path_;
   return copy;
 }
@@ -55,46 +123,50 @@ std::unique_ptr<PooledKvCache> PooledKvCache::adopt(std::shared_ptr<KvPool> pool
                                                     std::vector<KvSegment> segments, int tokens) {
   auto cache = std::make_unique<PooledKvCache>(pool, format, capacity);
   const int T = pool->block_tokens();
-  std::size_t blocks = 0;
+  if (tokens < 0 || tokens > capacity)
+    fail(ErrorCode::invalid_argument, "adopt: {} tokens do not fit a capacity of {}", tokens, capacity);
+  // Token counts: a segment without one holds the rest.
+  long long known = 0;
+  int open = 0;
   for (const KvSegment& s : segments) {
-    if (s.position_offset != 0) fail(ErrorCode::unsupported, "adopt: segments at a position offset (splice) are not supported yet");
-    blocks += s.blocks.size();
+    if (s.tokens < 0) ++open; else known += s.tokens;
   }
-  if (tokens < 0 || tokens > capacity || blocks != static_cast<std::size_t>((tokens + T - 1) / T))
-    fail(ErrorCode::invalid_argument, "adopt: {} blocks of {} tokens cannot hold {} tokens (capacity {})", blocks, T,
-         tokens, capacity);
+  if (open > 1 || known > tokens || (open == 0 && known != tokens))
+    fail(ErrorCode::invalid_argument, "adopt: segment token counts do not add up to {} tokens", tokens);
+  for (KvSegment& s : segments) {
+    if (s.tokens < 0) s.tokens = tokens - static_cast<int>(known);
+    if (s.first_row < 0 || s.first_row >= T ||
+        s.blocks.size() != static_cast<std::size_t>((s.first_row + s.tokens + T - 1) / T))
+      fail(ErrorCode::invalid_argument, "adopt: {} blocks of {} tokens cannot hold {} tokens from row {} (capacity {})",
+           s.blocks.size(), T, s.tokens, s.first_row, capacity);
+  }
+  // The last segment stays writable when it sits where it was computed.
+  const bool tail = !segments.empty() && segments.back().position_offset == 0 && segments.back().first_row == 0;
   // Take the references one by one; the destructor gives back those taken if a check fails.
-  cache->segments_.assign(1, KvSegment{});
-  std::vector<BlockRef>& table = cache->segments_[0].blocks;
+  cache->segments_.clear();
   const KvCodec hk = hot_codec(format.k), hv = hot_codec(format.v);
-  for (const KvSegment& s : segments)
+  for (const KvSegment& s : segments) {
+    cache->segments_.push_back(KvSegment{s.position_offset, {}, s.first_row, s.tokens});
+    std::vector<BlockRef>& table = cache->segments_.back().blocks;
     for (const BlockRef b : s.blocks) {
       if (!pool->try_retain(b))
         fail(ErrorCode::bad_descriptor, "adopt: block {} (generation {}) is no longer live", b.index, b.generation);
       table.push_back(b);
       const BlockInfo info = pool->info(b);
-      const bool partial = static_cast<int>(table.size()) * T > tokens;  // only rows coded one by one can be partial
+      const int rows_used = std::min(T, s.first_row + s.tokens - (static_cast<int>(table.size()) - 1) * T);
+      // Only rows coded one by one can be partly filled.
+      const bool partial = static_cast<int>(info.fill) < T;
       if ((info.k != format.k && info.k != hk) || (info.v != format.v && info.v != hv) ||
-          info.flags != cache->block_flags() || (partial && (info.k.quantized() || info.v.quantized())))
-        fail(ErrorCode::invalid_argument, "adopt: block {} holds codecs {:#x}/{:#x} (flags {}), not format {}", b.index,
-             info.k.pack(), info.v.pack(), info.flags, format.to_string());
+          info.flags != cache->block_flags() || static_cast<int>(info.fill) < rows_used ||
+          (partial && (info.k.quantized() || info.v.quantized())))
+        fail(ErrorCode::invalid_argument, "adopt: block {} holds codecs {:#x}/{:#x} (flags {}, {} rows), not format {}",
+             b.index, info.k.pack(), info.v.pack(), info.flags, info.fill, format.to_string());
     }
-  cache->size_ = tokens;
-  return cache;
-}
-
-int PooledKvCache::block_count() const noexcept {
-  int n = 0;
-  for (const KvSegment& s : segments_) n += static_cast<int>(s.blocks.size());
-  return n;
-}
-
-BlockRef PooledKvCache::table_at(int b) const noexcept {
-  for (const KvSegment& s : segments_) {
-    if (b < static_cast<int>(s.blocks.size())) return s.blocks[static_cast<std::size_t>(b)];
-    b -= static_cast<int>(s.blocks.size());
   }
-  return {};
+  if (!tail) cache->segments_.push_back(KvSegment{0, {}, 0, 0});
+  cache->size_ = tokens;
+  cache->base_ = tokens - cache->segments_.back().tokens;
+  return cache;
 }
 
 std::uint32_t PooledKvCache::block_flags() const noexcept {
@@ -116,8 +188,12 @@ void PooledKvCache::discard_step() noexcept {
 }
 
 void PooledKvCache::plan(int n) {
-  const int T = pool_->block_tokens(), total = size_ + n;
-  const int old_blocks = block_count(), new_blocks = (total + T - 1) / T;
+  // Only the tail segment is written; everything here is in its own indices.
+  const std::vector<BlockRef>& tail = segments_.back().blocks;
+  const int T = pool_->block_tokens(), done = size_ - base_, total = done + n;
+  const int old_blocks = static_cast<int>(tail.size()), new_blocks = (total + T - 1) / T;
+  KvFormat hot_format = format_;
+  if (base_ > 0) hot_format.sink = 0;  // attention sinks are the context's first tokens, not the tail's
   auto step = std::make_unique<Step>();
   step->n = n;
   step->view.resize(static_cast<std::size_t>(new_blocks));
@@ -127,12 +203,12 @@ void PooledKvCache::plan(int n) {
   const bool converts = hk != format_.k || hv != format_.v;
   try {
     for (int b = 0; b < new_blocks; ++b) {
-      const bool hot = format_.block_is_hot(b, total, T);
+      const bool hot = hot_format.block_is_hot(b, total, T);
       const KvCodec tk = hot ? hk : format_.k, tv = hot ? hv : format_.v;
-      const bool touched = (b + 1) * T > size_;
+      const bool touched = (b + 1) * T > done;
       Step::Work w{b, {}, {}, tk, tv, tk, tv, false};
       if (b < old_blocks) {
-        const BlockRef cur = table_at(b);
+        const BlockRef cur = tail[static_cast<std::size_t>(b)];
         const BlockInfo info = pool_->info(cur);
         step->view[static_cast<std::size_t>(b)] = cur;
         step->view_k[static_cast<std::size_t>(b)] = info.k;
@@ -200,7 +276,8 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
   const Step::Work& w = step_->work[static_cast<std::size_t>(wi)];
   const int T = pool_->block_tokens(), D = s.head_dim, kvd = s.kv_dim();
   const int first = w.block * T;
-  const int old_rows = std::clamp(size_ - first, 0, T), end_rows = std::clamp(size_ + n - first, 0, T);
+  const int done = size_ - base_;  // tail indices
+  const int old_rows = std::clamp(done - first, 0, T), end_rows = std::clamp(done + n - first, 0, T);
   std::vector<float>& rows = step_->rows;
   rows.resize(static_cast<std::size_t>(T) * static_cast<std::size_t>(D));
   for (int kind = 0; kind < 2; ++kind) {
@@ -211,7 +288,7 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
     for (int h = 0; h < s.n_kv_heads; ++h) {
       std::byte* dst = pool_->tile(w.dst, kind, layer, h);
       // Input row of block row r (r >= old_rows: a token of this pass).
-      const auto in_row = [&](int r) { return input + static_cast<std::ptrdiff_t>(first + r - size_) * kvd + h * D; };
+      const auto in_row = [&](int r) { return input + static_cast<std::ptrdiff_t>(first + r - done) * kvd + h * D; };
       if (w.dst == w.src) {  // in place: only the new rows
         for (int r = old_rows; r < end_rows; ++r) kv::encode_row(dc, dl, in_row(r), r, dst);
         continue;
@@ -233,7 +310,7 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
 AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* out) {
   const KvShape& s = shape();
   QKV_CHECK(step_ && step_->n == n && step_->next_layer == layer + 1);
-  for (const KvSegment& seg : segments_) QKV_CHECK(seg.position_offset == 0);  // splice is not there yet
+  if (segments_.size() > 1) return plan_segments(layer, n, q, out);
   const int blocks = static_cast<int>(step_->view.size());
   std::vector<const std::byte*>& tiles = attend_tiles_;
   tiles.resize(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(s.n_kv_heads) * 2);
@@ -263,17 +340,95 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   return *attend_work_;
 }
 
+
+AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float* out) {
+  const KvShape& s = shape();
+  const int D = s.head_dim, qd = s.q_dim(), T = pool_->block_tokens();
+  if (!segment_work_) segment_work_ = std::make_unique<kv::SegmentAttend>();
+  kv::SegmentAttend& w = *segment_work_;
+  const std::size_t segs = segments_.size();
+  w.slots = static_cast<std::size_t>(n) * static_cast<std::size_t>(s.n_heads);
+  w.head_dim = D;
+  w.out = out;
+  w.rotate_v = format_.rotate_v;
+  if (w.parts.size() < segs) w.parts.resize(segs);
+  w.used = segs;
+  w.ml.resize(segs * w.slots * 2);
+  w.po.resize(segs * w.slots * static_cast<std::size_t>(D));
+  w.first_job.assign(segs + 1, 0);
+  const AttendPath path = path_ == AttendPath::exact ? AttendPath::scalar : path_;
+  for (std::size_t si = 0; si < segs; ++si) {
+    const KvSegment& seg = segments_[si];
+    kv::SegmentAttend::Part& part = w.parts[si];
+    const bool tail = si + 1 == segs;
+    const std::vector<BlockRef>& blocks = tail ? step_->view : seg.blocks;
+    const int nb = static_cast<int>(blocks.size());
+    QKV_CHECK(nb > 0);  // frozen segments hold tokens; the tail holds this pass's
+    part.tiles.resize(static_cast<std::size_t>(nb) * static_cast<std::size_t>(s.n_kv_heads) * 2);
+    part.codecs.resize(static_cast<std::size_t>(nb) * 2);
+    const std::size_t half = part.tiles.size() / 2;
+    for (int b = 0; b < nb; ++b) {
+      const BlockRef ref = blocks[static_cast<std::size_t>(b)];
+      for (int h = 0; h < s.n_kv_heads; ++h) {
+        const std::size_t i = static_cast<std::size_t>(b) * s.n_kv_heads + h;
+        part.tiles[i] = pool_->tile(ref, 0, layer, h);
+        part.tiles[half + i] = pool_->tile(ref, 1, layer, h);
+      }
+      if (tail) {
+        part.codecs[static_cast<std::size_t>(b)] = step_->view_k[static_cast<std::size_t>(b)];
+        part.codecs[static_cast<std::size_t>(nb + b)] = step_->view_v[static_cast<std::size_t>(b)];
+      } else {
+        const BlockInfo info = pool_->info(ref);
+        part.codecs[static_cast<std::size_t>(b)] = info.k;
+        part.codecs[static_cast<std::size_t>(nb + b)] = info.v;
+      }
+    }
+    const float* qs = q;
+    if (seg.position_offset != 0) {
+      QKV_CHECK(static_cast<int>(rope_.inv_freq.size()) * 2 == D);  // set by splice() or set_rope()
+      part.q.assign(q, q + static_cast<std::ptrdiff_t>(n) * qd);
+      for (int t = 0; t < n; ++t)
+        kernels::rope(&part.q[static_cast<std::size_t>(t) * qd], s.n_heads, D, static_cast<float>(-seg.position_offset),
+                      rope_.inv_freq.data(), rope_.style);
+      qs = part.q.data();
+    }
+    kv::AttendInput in;
+    in.shape = s;
+    in.block_tokens = T;
+    in.n_blocks = nb;
+    in.n = n;
+    in.q = qs;
+    in.k_tiles = part.tiles.data();
+    in.v_tiles = part.tiles.data() + half;
+    in.k_codecs = part.codecs.data();
+    in.v_codecs = part.codecs.data() + nb;
+    in.rotate_k = format_.rotate_k;
+    in.rotate_v = format_.rotate_v;
+    in.out_ml = &w.ml[si * w.slots * 2];
+    in.out_o = &w.po[si * w.slots * static_cast<std::size_t>(D)];
+    if (tail) {
+      in.first_pos = size_ - base_;
+    } else {
+      in.causal = false;
+      in.key_lo = seg.first_row;
+      in.key_end = seg.first_row + seg.tokens;
+    }
+    part.work.prepare(in, path);
+    w.first_job[si + 1] = w.first_job[si] + part.work.jobs();
+  }
+  return w;
+}
+
 void PooledKvCache::commit(int n) {
   if (n == 0 && !step_) return;
   QKV_CHECK(step_ && step_->n == n && step_->next_layer == shape().n_layers);
   const int T = pool_->block_tokens();
   for (const Step::Work& w : step_->work) {
-    pool_->set_fill(w.dst, std::clamp(size_ + n - w.block * T, 0, T));
+    pool_->set_fill(w.dst, std::clamp(size_ - base_ + n - w.block * T, 0, T));
     if (w.fresh && w.src.valid()) pool_->release(w.src);
   }
-  // One segment at offset 0 until splice exists.
-  segments_.assign(1, KvSegment{0, step_->view});
   size_ += n;
+  segments_.back() = KvSegment{0, step_->view, 0, size_ - base_};
   step_.reset();
 }
 

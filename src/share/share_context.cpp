@@ -33,8 +33,8 @@ Descriptor descriptor_of(const ShareHeader& h, const ContextRecord& rec, std::ui
   d.grant_slot = gi;
   d.grant_generation = g.generation;
   d.token_count = rec.token_count;
-  d.position_begin = 0;
-  d.position_end = rec.token_count;
+  d.position_begin = rec.position_begin;
+  d.position_end = rec.position_begin + rec.token_count;
   d.block_tokens = rec.block_tokens;
   d.block_count = rec.block_count;
   d.k_codec = rec.k_codec;
@@ -138,10 +138,18 @@ SealedContext SharePool::seal(const PooledKvCache& cache, std::span<const TokenI
   if (static_cast<std::uint32_t>(n) > hd.max_tokens)
     fail(ErrorCode::invalid_argument, "seal: {} tokens exceed pool '{}''s {} tokens per context", n, impl_->name,
          hd.max_tokens);
-  const auto& segments = cache.segments();
-  if (segments.size() != 1 || segments[0].position_offset != 0)
-    fail(ErrorCode::unsupported, "seal: contexts with spliced segments cannot be sealed yet");
-  const std::vector<BlockRef>& blocks = segments[0].blocks;
+  // One run of blocks from row 0: a whole context, or the tail of a spliced
+  // one (PooledKvCache::tail_context), whose keys sit at [-offset, ...).
+  const KvSegment* only = nullptr;
+  int nonempty = 0;
+  for (const KvSegment& seg : cache.segments())
+    if (seg.tokens != 0) {
+      only = &seg;
+      ++nonempty;
+    }
+  if (nonempty != 1 || only->first_row != 0 || only->position_offset > 0)
+    fail(ErrorCode::unsupported, "seal: a context with spliced segments is sealed through its tail_context()");
+  const std::vector<BlockRef>& blocks = only->blocks;
   const int T = pool->block_tokens();
   QKV_CHECK(static_cast<int>(blocks.size()) == (n + T - 1) / T);
 
@@ -198,6 +206,7 @@ SealedContext SharePool::seal(const PooledKvCache& cache, std::span<const TokenI
   rec.created_unix_ns = unix_ns();
   std::memset(rec.producer, 0, sizeof rec.producer);
   std::memcpy(rec.producer, producer.data(), producer.size());
+  rec.position_begin = static_cast<std::uint32_t>(-only->position_offset);
   {
     // The record's own references: not this process's, so they survive it.
     Unledgered record_refs;
@@ -331,6 +340,7 @@ OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool 
     }
     if (want_kv && out.refused == FallbackReason::none) {
       KvSegment seg;
+      seg.position_offset = -static_cast<int>(rec.position_begin);
       seg.blocks.reserve(rec.block_count);
       for (std::uint32_t b = 0; b < rec.block_count; ++b) seg.blocks.push_back(BlockRef{t[b].index, t[b].generation});
       try {

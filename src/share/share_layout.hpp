@@ -82,7 +82,8 @@ struct ContextRecord {
   std::uint64_t blocks_checksum, table_checksum, tokens_checksum, text_checksum;
   std::uint64_t created_unix_ns;
   char producer[32];
-  std::uint8_t pad[32];
+  std::uint32_t position_begin;  // where the first token's key was rotated (a spliced context's tail)
+  std::uint8_t pad[28];
 };
 static_assert(sizeof(ContextRecord) == 192);
 

@@ -118,10 +118,19 @@ TEST(Orchestrator, DemoComparisonRunsEndToEnd) {
   for (const auto& r : runs) {
     EXPECT_GT(r.peak_rss_bytes, 0u) << r.spec.label();
     EXPECT_EQ(r.report.steps.size(), 3u);
-    if (r.spec.kv == "f32") {
-      EXPECT_DOUBLE_EQ(r.agreement, 1.0);
-    }
+    // Equal work: every mode generates the reference's tokens.
+    for (std::size_t i = 0; i < 3; ++i)
+      EXPECT_EQ(r.report.steps[i].output_tokens, runs[0].report.steps[i].output_tokens) << r.spec.label();
+    EXPECT_DOUBLE_EQ(r.agreement, 1.0);
+    EXPECT_GT(r.ppl, 1.0) << r.spec.label();
+    EXPECT_GE(r.kl, 0.0);
   }
+  EXPECT_EQ(runs[0].spec.label(), "shared-text:f32");
+  EXPECT_NEAR(runs[0].kl, 0.0, 1e-6);  // its own rows, rounded to float once
+  EXPECT_DOUBLE_EQ(runs[0].top1, 1.0);
+  // f16 KV stays closer to the f32 reference than int2 KV.
+  EXPECT_LT(runs[3].kl, runs[6].kl);
+  EXPECT_GT(runs[6].kl, 0.0);
   EXPECT_NE(format_comparison(runs).find("qkvshare:int4"), std::string::npos);
 }
 
@@ -129,6 +138,56 @@ TEST(Orchestrator, TokenAgreement) {
   EXPECT_DOUBLE_EQ(token_agreement({1, 2, 3}, {1, 2, 3}), 1.0);
   EXPECT_DOUBLE_EQ(token_agreement({1, 2, 3, 4}, {1, 2}), 0.5);
   EXPECT_DOUBLE_EQ(token_agreement({}, {}), 1.0);
+}
+
+const char* kRoles = R"(name: roles
+agents:
+  teller:
+    system: A story about a dog.
+    prompt: Once upon a time there was a dog named Max.
+    max_tokens: 40
+  writer:
+    system: A story about a cat.
+    prompt: The end.
+    max_tokens: 20
+  reviewer:
+    system: A story about a bird.
+    prompt: And then
+    max_tokens: 20
+steps:
+  - {id: tell, agent: teller}
+  - {id: write, agent: writer, inputs: [{from: tell, mode: splice, span: both, recompute: 0.25}]}
+  - {id: review, agent: reviewer, inputs: [{from: tell, mode: splice}, {from: write, mode: splice, recompute: 1.0}]}
+)";
+
+// Splice edges: every mode reads the same token ids, the KV modes reuse the
+// producers' blocks, 100% recompute is a text handoff, and nothing is left
+// in the pool at the end.
+TEST(Orchestrator, SpliceReusesTheRepliesAndReleasesEverything) {
+  const Workflow wf = Workflow::parse(kRoles, "roles.yaml");
+  RunOptions o = options(RunMode::qkvshare, "f32");
+  o.splice.guard = false;
+  const RunReport r = run_workflow(wf, kModel, kTok, o);
+  const RunReport text = run_workflow(wf, kModel, kTok, options(RunMode::shared_text, "f16"));
+  ASSERT_EQ(r.steps.size(), 3u);
+  EXPECT_EQ(r.steps[1].handoff, "splice");
+  EXPECT_EQ(text.steps[1].handoff, "text");
+  // The writer reads the teller's prompt and reply: same tokens as the text run.
+  EXPECT_EQ(r.steps[1].prefill_computed + r.steps[1].prefill_reused, text.steps[1].prefill_computed);
+  EXPECT_EQ(r.steps[1].splice_tokens, r.steps[1].splice_recomputed + r.steps[1].prefill_reused);
+  EXPECT_NEAR(r.steps[1].splice_recomputed, 0.25 * r.steps[1].splice_tokens, 1.0);  // 25% of each of the two runs
+  EXPECT_GT(r.steps[1].prefill_reused, 10);
+  // The reviewer splices two inputs; the writer's reply entirely recomputed.
+  EXPECT_EQ(r.steps[2].prefill_computed + r.steps[2].prefill_reused, text.steps[2].prefill_computed);
+  EXPECT_EQ(r.splices, 2 + 2);  // the teller's prompt and reply; the teller's and the writer's replies
+  EXPECT_EQ(r.contexts_alive_at_end, 0);
+  EXPECT_EQ(r.pool_blocks_used_at_end, 0u);
+  // With the guard on, its decision is in the metrics.
+  const RunReport g = run_workflow(wf, kModel, kTok, options(RunMode::qkvshare, "int4"));
+  EXPECT_GE(g.steps[1].guard_estimate, 0.0);
+  EXPECT_GT(g.steps[1].guard_probe_tokens, 0);
+  EXPECT_GE(g.steps[1].recompute_fraction, 0.25);
+  EXPECT_EQ(g.pool_blocks_used_at_end, 0u);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include "qkvshare/agents/workflow.hpp"
 #include "qkvshare/core/error.hpp"
+#include "test_paths.hpp"
 
 namespace qkvshare::agents {
 namespace {
@@ -128,6 +129,48 @@ steps:
   - {id: q2, agent: a, inputs: [{from: doc, mode: fork}]}
   - {id: agg, agent: a, inputs: [q1, q2]}
 )"));
+}
+
+TEST(Workflow, SpliceEdgesAreChecked) {
+  const std::string head = "agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: a}\n";
+  expect_bad(head + "  - {id: y, agent: a, inputs: [{from: x, mode: splice, recompute: 1.5}]}\n",
+             "bad.yaml:4: recompute must be a fraction from 0 to 1");
+  expect_bad(head + "  - {id: y, agent: a, inputs: [{from: x, mode: splice, recompute: -0.1}]}\n",
+             "bad.yaml:4: recompute must be a fraction");
+  expect_bad(head + "  - {id: y, agent: a, inputs: [{from: x, mode: splice, recompute: most}]}\n",
+             "bad.yaml:4: recompute: 'most' has the wrong type");
+  expect_bad(head + "  - {id: y, agent: a, inputs: [{from: x, mode: fork, recompute: 0.2}]}\n",
+             "bad.yaml:4: 'recompute' applies to mode splice only");
+  expect_bad(head + "  - {id: y, agent: a, inputs: [{from: ghost, mode: splice}]}\n",
+             "bad.yaml:4: step 'y' reads unknown step 'ghost'");
+  expect_bad(head + "  - {id: y, agent: a, inputs: [{from: x, mode: splice, span: all}]}\n", "bad.yaml:4: unknown span 'all'");
+  expect_bad(head + "  - {id: y, agent: a, inputs: [{from: x, mode: splice}]}\n  - {id: z, agent: a, inputs: [{from: y, mode: continue}]}\n",
+             "bad.yaml:5: step 'z' cannot continue 'y', whose context holds spliced segments");
+  expect_bad(head + "  - {id: w, agent: a}\n  - {id: y, agent: a, inputs: [{from: x, mode: splice}, {from: w, mode: fork}]}\n",
+             "splices into its own context, so it cannot also continue or fork");
+  expect_bad(head + "  - {id: y, agent: a, inputs: [{from: x, mode: splice}]}\n  - {id: z, agent: a, inputs: [{from: y, mode: splice, span: prompt}]}\n",
+             "does not start a context of its own");
+  const Workflow w = Workflow::parse(head + "  - {id: y, agent: a, inputs: [x]}\n  - {id: z, agent: a, inputs: [{from: x, mode: splice, "
+                                            "span: both}, {from: y, mode: splice, recompute: 0.3}]}\n");
+  const StepSpec& z = w.step("z");
+  EXPECT_TRUE(z.splices());
+  EXPECT_EQ(z.context_input(), nullptr);
+  EXPECT_TRUE(z.inputs[0].splice_prompt && z.inputs[0].splice_reply);
+  EXPECT_DOUBLE_EQ(z.inputs[0].recompute, 0.15);
+  EXPECT_DOUBLE_EQ(z.inputs[1].recompute, 0.3);
+}
+
+// Every shipped example parses; W4 and the splicing W2 splice every edge they claim to.
+TEST(Workflow, ExamplesParse) {
+  for (const char* name : {"demo.yaml", "w1_two_agents.yaml", "w2_fanout.yaml", "w2_fanout_synthetic.yaml",
+                           "w2_fanout_splice.yaml", "w3_chain.yaml", "w4_roles.yaml"})
+    EXPECT_NO_THROW(Workflow::load(testing::source_path(std::string("examples/") + name))) << name;
+  const Workflow w4 = Workflow::load(testing::source_path("examples/w4_roles.yaml"));
+  for (const auto& s : w4.steps)
+    for (const auto& in : s.inputs) EXPECT_EQ(in.mode, HandoffMode::splice) << s.id;
+  const Workflow w2 = Workflow::load(testing::source_path("examples/w2_fanout_splice.yaml"));
+  EXPECT_EQ(w2.step("combine").inputs.size(), 4u);
+  EXPECT_TRUE(w2.step("combine").splices());
 }
 
 TEST(Workflow, YamlSyntaxErrorHasALine) { expect_bad("agents:\n  a: {prompt: go\nsteps: [\n", "YAML syntax error"); }

@@ -1,8 +1,11 @@
 #pragma once
 // Runs one workflow in several modes side by side, each in a child process
 // so that its peak RSS (getrusage of the child: VmHWM, every page it touched,
-// weights included) is its own, and compares each run's outputs with the
-// f32-KV QKVShare run.
+// weights included) is its own. The work is equal: the first mode is the
+// reference (text re-prefill with f32 KV, greedy); every other mode is
+// teacher-forced along the reference's tokens, so each one generates the same
+// token stream, and its quality is measured along it per consumer step: mean
+// KL(p_reference || p_mode), top-1 agreement and PPL of the forced tokens.
 #include <string>
 #include <vector>
 
@@ -16,16 +19,20 @@ struct ModeSpec {
   std::string label() const;  // "independent", "shared-text", "qkvshare:int8", ...
 };
 
-// The default comparison: independent, shared-text, qkvshare with f32 (the
-// reference), f16, int8, int4 and int2 KV.
+// The default comparison: shared-text with f32 KV (the reference),
+// independent, shared-text (f16), qkvshare with f16, int8, int4 and int2 KV.
 std::vector<ModeSpec> default_comparison();
+// "shared-text:f32,independent,qkvshare:int8" -> specs; Error(invalid_argument) naming a bad item.
+std::vector<ModeSpec> parse_mode_specs(const std::string& text);
 
 struct ComparedRun {
   ModeSpec spec;
   RunReport report;
   std::size_t peak_rss_bytes = 0;
-  double agreement = 0;         // greedy tokens equal to the reference run, over all steps
+  double agreement = 0;         // tokens equal to the reference run's, over all steps (1 when forced)
   double consumer_ttft = 0;     // mean time to first token of steps that have upstream inputs
+  // Over the consumer steps' forced tokens (the reference scores itself: KL 0, top-1 1).
+  double kl = 0, top1 = 0, ppl = 0;
 };
 
 std::vector<ComparedRun> compare_modes(const Workflow& wf, const std::string& model_path,

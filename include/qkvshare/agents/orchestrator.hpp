@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "qkvshare/agents/workflow.hpp"
+#include "qkvshare/engine/splice.hpp"
 #include "qkvshare/model/tokenizer.hpp"
 #include "qkvshare/tiers/context_tiers.hpp"
 
@@ -33,6 +34,11 @@ struct RunOptions {
   // Float activations in every matmul (EngineOptions::exact_matmul): slow; isolates what the KV
   // formats change from the 8-bit activation rounding, which amplifies any perturbation.
   bool exact_matmul = false;
+  std::string text_kv = "f16";  // KV format of shared-text mode (the comparison's reference uses f32)
+  // Equal work: record each step's tokens and distributions to this file, or
+  // force the tokens of such a file and score against it (compare_modes).
+  std::string record_reference, force_reference;
+  SpliceOptions splice;     // the guard of splice edges (each edge's `recompute` replaces splice.recompute)
   std::function<void(const std::string&)> progress;  // one line per event, for stderr
   // qkvshare mode: a pool byte budget for contexts at rest, with disk spill
   // and prefetch (tiers/context_tiers.hpp); budget_bytes 0 turns it off.
@@ -49,6 +55,16 @@ struct StepMetrics {
   int prefill_reused = 0;     // upstream tokens whose KV was reused instead
   int decode_tokens = 0;
   std::size_t kv_bytes = 0;   // KV bytes of this step's context when it ends
+  // Splice inputs (qkvshare mode): tokens spliced, of them recomputed, tokens
+  // the guard's probes ran, its largest estimate, the largest recompute
+  // fraction used, and how often it raised the fraction or went to text.
+  int splice_tokens = 0, splice_recomputed = 0, guard_probe_tokens = 0;
+  double guard_estimate = -1, recompute_fraction = -1;
+  int guard_raised = 0, guard_text = 0;
+  // Along the reference's tokens (teacher forcing, -1 when not measured): mean
+  // KL(p_reference || p_this_run), top-1 agreement, mean NLL of the tokens.
+  double kl = -1, top1 = -1, nll = -1;
+  int scored_tokens = 0;
   std::vector<TokenId> output_tokens;
   std::string output;
 };
@@ -67,6 +83,7 @@ struct RunReport {
   int contexts_alive_at_end = 0;       // sealed contexts left in the pool (0 when lifetimes are right)
   std::size_t pool_blocks_used_at_end = 0;
   TierStats tiers;                     // what the budget moved (RunOptions::tiers)
+  int splices = 0, guard_raised = 0, guard_text = 0;  // splice counters over the run
   std::string json() const;
   static RunReport from_json(const std::string& text);
 };

@@ -15,6 +15,8 @@ enum class HandoffMode {
   text,       // re-encode the upstream output as text (the baseline)
   continue_,  // append to the upstream context itself: exact, exclusive
   fork,       // branch from the upstream context, shared with other forks
+  splice,     // insert the upstream reply's KV into this agent's own context (own system prompt):
+              // position shift + selective recompute, under the quality guard (engine/splice.hpp)
 };
 std::string_view to_string(HandoffMode mode) noexcept;
 
@@ -32,6 +34,10 @@ struct AgentSpec {
 struct StepInput {
   std::string from;  // upstream step id
   HandoffMode mode = HandoffMode::text;
+  double recompute = 0.15;  // splice: fraction of the spliced tokens recomputed under this agent's prefix
+  // splice: which tokens of the producer's context: its reply (default), its
+  // prompt (the user turn it read, e.g. a document), or both.
+  bool splice_prompt = false, splice_reply = true;
   int line = 0;
 };
 
@@ -44,6 +50,7 @@ struct StepSpec {
 
   // The input whose context this step builds on (continue or fork), if any.
   const StepInput* context_input() const;
+  bool splices() const;  // has a splice input
 };
 
 struct Workflow {

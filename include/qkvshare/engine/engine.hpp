@@ -26,6 +26,7 @@
 
 #include "qkvshare/core/thread_pool.hpp"
 #include "qkvshare/kv/kv_cache.hpp"
+#include "qkvshare/kv/pooled_kv_cache.hpp"
 #include "qkvshare/model/model.hpp"
 
 namespace qkvshare {
@@ -42,6 +43,9 @@ class Session {
   const KvCache& cache() const noexcept { return *cache_; }
   const std::vector<TokenId>& tokens() const noexcept { return tokens_; }
   int n_past() const noexcept { return static_cast<int>(tokens_.size()); }
+  // Records tokens that were put into the cache without a forward pass (a
+  // splice, engine/splice.hpp); the cache must now hold exactly the tokens.
+  void note_placed(std::span<const TokenId> tokens);
 
  private:
   friend class Engine;
@@ -86,6 +90,8 @@ class Engine {
   const EngineOptions& options() const noexcept { return options_; }
   ThreadPool& pool() noexcept { return pool_; }
   KvShape kv_shape() const noexcept;
+  // The rotary embedding of the forward pass, for caches that move segments.
+  KvRope rope() const;
 
   // A session with a dense f32 cache of `capacity` tokens (0: the model's context length).
   std::unique_ptr<Session> new_session(int capacity = 0) const;

@@ -17,6 +17,8 @@ struct GenerateOptions {
   SamplingParams sampling;
   std::vector<std::string> stop_strings;  // generation ends before the first occurrence
   bool stop_at_end_of_generation = true;  // EOS / end-of-turn tokens
+  // Sees the logits each generated token was sampled from (quality measurements).
+  std::function<void(std::span<const float>)> on_logits;
 };
 
 // cancelled and error only end Scheduler requests (generate() throws instead).
@@ -40,5 +42,13 @@ struct GenerateResult {
 GenerateResult generate(Engine& engine, Session& session, std::span<const TokenId> prompt,
                         const GenerateOptions& options,
                         const std::function<void(std::string_view)>& on_text = {});
+
+// Teacher forcing: appends `prompt`, then feeds `forced` one token at a time
+// instead of sampling, so that runs compare along one token stream; on_logits
+// sees the distribution that predicts each forced token. Like generate(), the
+// last token gets no forward pass. The result's tokens are `forced`.
+GenerateResult generate_forced(Engine& engine, Session& session, std::span<const TokenId> prompt,
+                               std::span<const TokenId> forced,
+                               const std::function<void(std::span<const float>)>& on_logits);
 
 }  // namespace qkvshare

@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "qkvshare/kernels/ops.hpp"
 #include "qkvshare/kv/kv_cache.hpp"
 #include "qkvshare/kv/kv_format.hpp"
 #include "qkvshare/kv/kv_pool.hpp"
@@ -23,15 +24,30 @@ namespace qkvshare {
 
 namespace kv {
 class BlockAttend;
+class SegmentAttend;
 }
 
-// A run of blocks holding consecutive tokens. Keys were rotated (RoPE) at the
-// positions they were computed at; a segment placed `position_offset` tokens
-// away from there would be read by rotating the query back by the offset
-// (docs/design.md "Context"). Offsets are zero until splice exists.
+// A token range of a run of blocks: `tokens` tokens starting at row
+// `first_row` of blocks[0] (start and end may fall inside a block). Keys were
+// rotated (RoPE) at the positions they were computed at; the segment sits
+// `position_offset` positions away from there (its position in this context
+// minus the position it was computed at), and attention reads it by rotating
+// the query back by the offset, once per segment (docs/design.md "Context"): no
+// block is rewritten, requantized or copied to move it, so the same blocks can
+// sit in several contexts at different positions. tokens < 0 means "up to the
+// context's size" (a context's only segment, as adopt() is given it).
 struct KvSegment {
   int position_offset = 0;
   std::vector<BlockRef> blocks;
+  int first_row = 0;
+  int tokens = -1;
+};
+
+// The rotary embedding the model used, so that a cache can rotate queries by
+// a segment's offset (kernels::rope with the engine's frequencies).
+struct KvRope {
+  std::vector<float> inv_freq;  // head_dim / 2 frequencies
+  kernels::RopeStyle style = kernels::RopeStyle::interleaved;
 };
 
 // How attention reads the blocks: the automatic choice uses the best SIMD
@@ -58,12 +74,34 @@ class PooledKvCache final : public KvCache {
   // reference on every block, which must still be live at the given
   // generation (else Error(bad_descriptor)), and checks that the blocks fit
   // `tokens`, `capacity` and the format's codecs (else Error(invalid_argument)).
+  // A segment at a nonzero offset is frozen (new tokens go to a fresh tail
+  // segment after it) and needs set_rope() before attention.
   static std::unique_ptr<PooledKvCache> adopt(std::shared_ptr<KvPool> pool, const KvFormat& format, int capacity,
                                               std::vector<KvSegment> segments, int tokens);
 
   // A second context sharing every block (reference counts); the first write
   // of either into a shared partly filled block copies that block.
   std::unique_ptr<PooledKvCache> fork() const;
+
+  // Splice: places tokens [begin, end) of `src` (a context in the same pool
+  // with the same rotation flags) at this context's end, as segments of src's
+  // blocks at the offset that puts them at positions size()..size()+n-1.
+  // Takes a reference on each block; nothing is copied or requantized. The
+  // current tail becomes frozen (later tokens go into new blocks of this
+  // context). Error(invalid_argument) for a bad range, another pool or other
+  // rotation flags; Error(context_full) when the tokens do not fit.
+  void splice(const PooledKvCache& src, int begin, int end, const KvRope& rope);
+  // The last segment alone (the tokens this context wrote after its last
+  // splice), as a context of its own whose keys sit at positions
+  // [tail_begin(), size()): what a spliced context hands on (share/seal).
+  std::unique_ptr<PooledKvCache> tail_context() const;
+  int tail_begin() const noexcept { return base_; }
+  void set_rope(const KvRope& rope) { rope_ = rope; }
+
+  // Decoded rows (f32, [count][head_dim], Hadamard-rotated as stored when the
+  // format rotates) of one layer, kind (0 K, 1 V) and KV head for the
+  // committed tokens [first, first + count): what the splice guard compares.
+  void read_rows(int layer, int kind, int kv_head, int first, int count, float* out) const;
 
   const KvFormat& format() const noexcept { return format_; }
   const std::vector<KvSegment>& segments() const noexcept { return segments_; }
@@ -74,8 +112,7 @@ class PooledKvCache final : public KvCache {
 
  private:
   struct Step;  // the pass between the first write() and commit()
-  int block_count() const noexcept;
-  BlockRef table_at(int b) const noexcept;
+  AttendWork& plan_segments(int layer, int n, const float* q, float* out);
   void plan(int n);
   void discard_step() noexcept;
   void write_block(int layer, int b, const float* k, const float* v, int n);
@@ -86,11 +123,14 @@ class PooledKvCache final : public KvCache {
   int capacity_;
   int size_ = 0;
   std::vector<KvSegment> segments_;
+  int base_ = 0;  // tokens before the last (writable) segment
+  KvRope rope_;
   std::unique_ptr<Step> step_;
   AttendPath path_ = AttendPath::automatic;
   std::vector<float> rotated_;  // k/v rows of a write, rotated per head
   // The planned attention and the tile pointers it reads (one plan at a time per cache).
   std::unique_ptr<kv::BlockAttend> attend_work_;
+  std::unique_ptr<kv::SegmentAttend> segment_work_;  // a spliced context's plan
   std::vector<const std::byte*> attend_tiles_;
 };
 

@@ -1,0 +1,43 @@
+#pragma once
+// Measures splices against the text re-prefill they approximate: one
+// producer context per KV format, then for each recompute fraction a consumer
+// that splices the producer's chunk under its own prefix, teacher-forced
+// along the reference's greedy continuation. The reference is the text
+// re-prefill with f32 KV. What the guard is calibrated on
+// (bench/splice_calibrate.py) and what the KL-vs-recompute plot shows.
+#include <string>
+#include <vector>
+
+#include "qkvshare/engine/splice.hpp"
+#include "qkvshare/kv/kv_pool.hpp"
+
+namespace qkvshare {
+
+struct SpliceCase {
+  std::vector<TokenId> producer_prefix;  // what the chunk was computed under
+  std::vector<TokenId> chunk;            // the spliced tokens
+  std::vector<TokenId> consumer_prefix;  // what it is spliced under
+  std::vector<TokenId> suffix;           // the consumer's own turn after it
+};
+
+struct SpliceSample {
+  std::string format;
+  double fraction = 0;
+  double estimate = 0;   // the guard's estimate (splice_probe) at this fraction
+  double kl = 0;         // mean KL(p_reference || p_splice) over the forced positions
+  double kl_text = 0;    // mean KL(p_text || p_splice), p_text the text re-prefill in the same format:
+                         // what the splice adds over the fallback the guard would choose
+  double text_kl = 0;    // mean KL(p_reference || p_text): the format's own floor
+  double top1 = 0;       // share of positions whose argmax equals the reference's
+  double nll = 0;        // mean negative log-likelihood of the forced tokens (PPL = exp)
+  int recomputed = 0, reused = 0;
+  double ttft_splice = 0;  // consumer prefix + splice + suffix, seconds
+  double ttft_text = 0;    // the same tokens prefilled as text in this format
+};
+
+// `forced` tokens of the reference's greedy continuation are scored.
+std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr<KvPool>& pool, const SpliceCase& c,
+                                           const std::vector<std::string>& formats,
+                                           const std::vector<double>& fractions, int forced, int probe_tokens);
+
+}  // namespace qkvshare

@@ -1,0 +1,144 @@
+// qkvshare splice-eval: many real splices of text chunks between agents with
+// different roles, each one measured against the text re-prefill (f32 KV)
+// along the reference's greedy continuation; one JSON line per splice, for
+// the guard's calibration (bench/splice_calibrate.py).
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "common.hpp"
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/engine/splice_eval.hpp"
+
+namespace qkvshare::cli {
+
+namespace {
+
+struct SpliceEvalArgs {
+  ModelArgs model;
+  std::vector<std::string> sources;
+  int cases = 8;
+  int chunk = 256;
+  int forced = 16;
+  int probe = 8;
+  std::string formats = "int8,int4,int2";
+  std::string fractions = "0,0.05,0.15,0.3,0.5,1";
+  std::string output;
+  std::size_t max_source_bytes = 200000;
+};
+
+// Roles: the producer read the chunk under one, the consumer splices it under another.
+const char* const kProducers[] = {
+    "You are a careful researcher. You extract facts from sources and never invent any.",
+    "You are a librarian who summarizes documents for a catalogue.",
+    "You answer questions about the document the user gives you.",
+    "You are a teacher preparing a lesson from this text."};
+const char* const kConsumers[] = {
+    "You are a newspaper writer. You write vivid, accurate short articles for general readers.",
+    "You are a strict fact-checking editor. You compare articles with their sources.",
+    "You are a translator's assistant. You list the hard words of a text.",
+    "You write quiz questions for students."};
+const char* const kQuestions[] = {"Write a short headline and a first sentence about this.",
+                                  "List two facts from the text above.", "What is the text above about?",
+                                  "Write one quiz question about the text above."};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+void run_splice_eval(const SpliceEvalArgs& a) {
+  if (a.sources.empty()) fail(ErrorCode::invalid_argument, "--source FILE is required (one or more)");
+  std::vector<double> fractions;
+  for (const auto& f : split(a.fractions)) {
+    std::size_t used = 0;
+    double v = -1;
+    try {
+      v = std::stod(f, &used);
+    } catch (const std::exception&) {
+    }
+    if (used != f.size() || !(v >= 0 && v <= 1))
+      fail(ErrorCode::invalid_argument, "--fractions: '{}' is not a fraction from 0 to 1", f);
+    fractions.push_back(v);
+  }
+  const auto formats = split(a.formats);
+  for (const auto& f : formats) KvFormat::parse(f);  // reject a bad one before loading
+  auto model = load_model(a.model);
+  Engine engine(*model, engine_options(a.model));
+  const Tokenizer& tok = model->tokenizer();
+  const bool chatml = tok.find("<|im_start|>").has_value();
+  const auto opening = [&](const std::string& system) {
+    std::vector<TokenId> ids;
+    if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+    const auto t = tok.encode(chatml ? "<|im_start|>system\n" + system + "<|im_end|>\n<|im_start|>user\n" : system + "\n", true);
+    ids.insert(ids.end(), t.begin(), t.end());
+    return ids;
+  };
+  std::vector<std::vector<TokenId>> texts;
+  for (const auto& path : a.sources) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) fail(ErrorCode::io, "{}: cannot open", path);
+    std::string text(a.max_source_bytes, '\0');
+    in.read(text.data(), static_cast<std::streamsize>(text.size()));
+    text.resize(static_cast<std::size_t>(in.gcount()));
+    texts.push_back(tok.encode(text));
+    if (static_cast<int>(texts.back().size()) < a.chunk)
+      fail(ErrorCode::invalid_argument, "{}: {} tokens, fewer than --chunk {}", path, texts.back().size(), a.chunk);
+  }
+  PoolConfig pc;
+  pc.shape = engine.kv_shape();
+  pc.block_tokens = 32;
+  pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, 32, KvFormat::parse("f32"), a.chunk + 256, 4);
+  auto pool = KvPool::create(pc);
+  std::FILE* out = a.output.empty() ? stdout : std::fopen(a.output.c_str(), "w");
+  if (out == nullptr) fail(ErrorCode::io, "{}: cannot write", a.output);
+  for (int i = 0; i < a.cases; ++i) {
+    const auto& ids = texts[static_cast<std::size_t>(i) % texts.size()];
+    const int per_source = (a.cases + static_cast<int>(texts.size()) - 1) / static_cast<int>(texts.size());
+    const int slot = i / static_cast<int>(texts.size());
+    const std::size_t stride = (ids.size() - static_cast<std::size_t>(a.chunk)) / static_cast<std::size_t>(std::max(1, per_source));
+    SpliceCase c;
+    c.producer_prefix = opening(kProducers[i % 4]);
+    const auto lead = tok.encode("Source:\n", true);
+    c.producer_prefix.insert(c.producer_prefix.end(), lead.begin(), lead.end());
+    c.consumer_prefix = opening(kConsumers[(i / 4 + i) % 4]);
+    const auto head = tok.encode("[research]\n", true);
+    c.consumer_prefix.insert(c.consumer_prefix.end(), head.begin(), head.end());
+    c.chunk.assign(ids.begin() + static_cast<std::ptrdiff_t>(stride * static_cast<std::size_t>(slot)),
+                   ids.begin() + static_cast<std::ptrdiff_t>(stride * static_cast<std::size_t>(slot)) + a.chunk);
+    c.suffix = tok.encode(std::string("\n\n") + kQuestions[i % 4] + (chatml ? "<|im_end|>\n<|im_start|>assistant\n" : "\n"), true);
+    const auto samples = evaluate_splices(engine, pool, c, formats, fractions, a.forced, a.probe);
+    for (const auto& s : samples)
+      std::fprintf(out,
+                   "{\"case\": %d, \"source\": %zu, \"format\": \"%s\", \"fraction\": %.4f, \"estimate\": %.6f, "
+                   "\"kl\": %.6f, \"kl_text\": %.6f, \"text_kl\": %.6f, \"top1\": %.4f, \"nll\": %.5f, \"recomputed\": %d, \"reused\": %d, "
+                   "\"ttft_splice\": %.5f, \"ttft_text\": %.5f}\n",
+                   i, static_cast<std::size_t>(i) % texts.size(), s.format.c_str(), s.fraction, s.estimate, s.kl, s.kl_text, s.text_kl,
+                   s.top1, s.nll, s.recomputed, s.reused, s.ttft_splice, s.ttft_text);
+    std::fflush(out);
+    std::fprintf(stderr, "case %d/%d done\n", i + 1, a.cases);
+  }
+  if (out != stdout) std::fclose(out);
+}
+
+}  // namespace
+
+void register_splice_eval(CLI::App& app) {
+  auto args = std::make_shared<SpliceEvalArgs>();
+  CLI::App* cmd = app.add_subcommand("splice-eval", "Measure splices (KL to the text re-prefill, guard estimate)");
+  add_model_args(*cmd, args->model);
+  cmd->add_option("--source", args->sources, "Text file(s) to cut the spliced chunks from")->required();
+  cmd->add_option("--cases", args->cases, "Producer/consumer pairs")->check(CLI::Range(1, 100000));
+  cmd->add_option("--chunk", args->chunk, "Spliced tokens per case")->check(CLI::Range(16, 8192));
+  cmd->add_option("--forced", args->forced, "Reference tokens scored after the consumer's turn")->check(CLI::Range(1, 4096));
+  cmd->add_option("--probe", args->probe, "Guard probe tokens")->check(CLI::Range(1, 256));
+  cmd->add_option("--kv", args->formats, "KV formats, comma separated");
+  cmd->add_option("--fractions", args->fractions, "Recompute fractions, comma separated");
+  cmd->add_option("-o,--output", args->output, "JSON lines file (default stdout)");
+  cmd->callback([args] { run_splice_eval(*args); });
+}
+
+}  // namespace qkvshare::cli
