@@ -100,6 +100,7 @@ int main(int argc, char** argv) {
   const AttendPath path = path_name == "scalar"   ? AttendPath::scalar
                           : path_name == "avx2"   ? AttendPath::avx2
                           : path_name == "avx512" ? AttendPath::avx512
+                          : path_name == "neon"   ? AttendPath::neon
                                                   : AttendPath::automatic;
   try {
     ThreadPool threads(n_threads);

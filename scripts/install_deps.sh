@@ -29,6 +29,34 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
+# ARM64 stage (scripts/test_aarch64.sh): Debian's cross compiler, qemu-user
+# to run the tests, and the arm64 builds of the libraries (multiarch). Only
+# packages that install beside the amd64 ones: libyaml-cpp-dev is not
+# co-installable (the cross build uses the runtime library and the host's
+# headers), and --no-remove makes apt refuse rather than replace any amd64
+# package. QKVSHARE_SKIP_ARM64=1 skips this part.
+ARM64_PACKAGES=(
+  g++-aarch64-linux-gnu qemu-user file
+  libc6:arm64 libstdc++6:arm64 libfmt-dev:arm64 libgtest-dev:arm64
+  libpcre2-dev:arm64 libxxhash-dev:arm64 libyaml-cpp0.7:arm64
+)
+if [ "${QKVSHARE_SKIP_ARM64:-0}" != 1 ] && [ "$(dpkg --print-architecture)" = amd64 ]; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+    $SUDO dpkg --add-architecture arm64
+    $SUDO apt-get update -qq
+  fi
+  missing=()
+  for p in "${ARM64_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "[setup] installing the ARM64 cross toolchain and libraries: ${missing[*]}" >&2
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends --no-remove "${missing[@]}" >&2
+  fi
+fi
+
 # Python helpers for the independent reference tests live in a project venv.
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv for the Python reference tests" >&2

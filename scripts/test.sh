@@ -12,6 +12,8 @@ else
 fi
 echo "[test] release build: full suite" >&2
 ctest --test-dir build --output-on-failure -j "$(nproc)"
+echo "[test] ARM64: cross build, the emulation-labelled C++ tests under qemu-user" >&2
+scripts/test_aarch64.sh
 echo "[test] ASan+UBSan build: C++ tests" >&2
 BUILD_DIR=build-asan BUILD_TYPE=Debug scripts/build.sh -DQKVSHARE_SANITIZE=ON -DQKVSHARE_BUILD_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

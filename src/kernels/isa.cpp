@@ -2,6 +2,11 @@
 
 #include <atomic>
 
+#if defined(__aarch64__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+
 #include "kernel_table.hpp"
 #include "qkvshare/core/error.hpp"
 
@@ -9,19 +14,27 @@ namespace qkvshare::kernels {
 
 namespace {
 
-#if QKVSHARE_X86_KERNELS
+#if QKVSHARE_X86_KERNELS || QKVSHARE_ARM64_KERNELS
 #define QKVSHARE_ISA_TABLE(ns)                                                                                     \
   detail::KernelTable {                                                                                            \
     .gemm_f32 = detail::ns::gemm_f32, .gemm_f16 = detail::ns::gemm_f16, .gemm_bf16 = detail::ns::gemm_bf16,        \
     .gemm_q8_0 = detail::ns::gemm_q8_0, .gemm_q4_0 = detail::ns::gemm_q4_0, .gemm_q4_1 = detail::ns::gemm_q4_1,    \
     .gemm_q6_k = detail::ns::gemm_q6_k, .quantize_act = detail::ns::quantize_act, .attend = detail::ns::attend,     \
     .silu_mul = detail::ns::silu_mul,                                                                              \
+    .tiles = {detail::ns::tile_decode, detail::ns::tile_scores, detail::ns::tile_weighted_sum,                     \
+              detail::ns::tile_exp_sum},                                                                           \
   }
+#endif
 // Constant-initialised, so that reading a table runs no code of its level.
+#if QKVSHARE_X86_KERNELS
 constinit const detail::KernelTable kAvx2 = QKVSHARE_ISA_TABLE(avx2);
 constinit const detail::KernelTable kAvx512 = QKVSHARE_ISA_TABLE(avx512);
-#undef QKVSHARE_ISA_TABLE
 #endif
+#if QKVSHARE_ARM64_KERNELS
+constinit const detail::KernelTable kNeon = QKVSHARE_ISA_TABLE(neon);
+constinit const detail::KernelTable kNeonDot = QKVSHARE_ISA_TABLE(neon_dot);
+#endif
+#undef QKVSHARE_ISA_TABLE
 
 const detail::KernelTable* table_of(Isa isa) noexcept {
   switch (isa) {
@@ -29,12 +42,13 @@ const detail::KernelTable* table_of(Isa isa) noexcept {
 #if QKVSHARE_X86_KERNELS
     case Isa::avx2: return &kAvx2;
     case Isa::avx512: return &kAvx512;
-#else
-    case Isa::avx2:
-    case Isa::avx512: return nullptr;
 #endif
+#if QKVSHARE_ARM64_KERNELS
+    case Isa::neon: return &kNeon;
+    case Isa::neon_dot: return &kNeonDot;
+#endif
+    default: return nullptr;
   }
-  return nullptr;
 }
 
 bool cpu_supports(Isa isa) noexcept {
@@ -48,15 +62,23 @@ bool cpu_supports(Isa isa) noexcept {
       return cpu_supports(Isa::avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx512vnni");
+    default: return false;
   }
-  return false;
+#elif defined(__aarch64__)
+  // NEON is part of every AArch64 CPU; dotprod is reported in the ELF hwcaps.
+  switch (isa) {
+    case Isa::portable:
+    case Isa::neon: return true;
+    case Isa::neon_dot: return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+    default: return false;
+  }
 #else
   return isa == Isa::portable;
 #endif
 }
 
 Isa probe() noexcept {
-  for (Isa isa : {Isa::avx512, Isa::avx2})
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::neon_dot, Isa::neon})
     if (isa_available(isa)) return isa;
   return Isa::portable;
 }
@@ -78,6 +100,8 @@ std::string_view isa_name(Isa isa) noexcept {
     case Isa::portable: return "portable";
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
+    case Isa::neon: return "neon";
+    case Isa::neon_dot: return "neon_dot";
   }
   return "?";
 }
@@ -101,5 +125,13 @@ void set_active_isa(Isa isa) {
 namespace detail {
 const KernelTable& kernels() noexcept { return *active().table.load(std::memory_order_acquire); }
 }  // namespace detail
+
+const TileKernels& tile_kernels(Isa isa) {
+  if (!isa_available(isa))
+    fail(ErrorCode::invalid_argument, "kernel ISA '{}' is not available on this CPU or in this build", isa_name(isa));
+  return table_of(isa)->tiles;
+}
+
+const TileKernels& tile_kernels() noexcept { return detail::kernels().tiles; }
 
 }  // namespace qkvshare::kernels

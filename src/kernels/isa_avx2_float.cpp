@@ -10,6 +10,7 @@
 
 #include "gemm_tiles.hpp"
 #include "kernel_table.hpp"
+#include "vec_math.hpp"
 
 namespace qkvshare::kernels::detail::avx2 {
 namespace {
@@ -63,28 +64,9 @@ struct FFloat {
   static void mac(__m256& acc, __m256 w, __m256 x) { acc = _mm256_fmadd_ps(w, x, acc); }
 };
 
-inline __m256 pow2i(__m256i k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)); }
 
-// exp(x) within 2 ulp (Cephes' expf polynomial after a Cody-Waite range
-// reduction). 2^n is applied as 2^(n/2) * 2^(n - n/2), two normal floats for
-// every n in [-150, 128], so results underflow to 0 and overflow to inf as expf.
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i n1 = _mm256_srai_epi32(ni, 1);
-  return _mm256_mul_ps(_mm256_mul_ps(y, pow2i(n1)), pow2i(_mm256_sub_epi32(ni, n1)));
-}
+// The one vector exp (vec_math.hpp).
+inline __m256 exp_ps(__m256 x) { return vexp<Vec>(x); }
 
 // In place, as kernels::softmax (every entry -inf gives the uniform distribution).
 void softmax_ps(float* x, int n) {

@@ -6,6 +6,7 @@
 
 #include "gemm_tiles.hpp"
 #include "kernel_table.hpp"
+#include "vec_math.hpp"
 
 namespace qkvshare::kernels::detail::avx512 {
 namespace {
@@ -49,23 +50,8 @@ struct FFloat {
   static void mac(__m512& acc, __m512 w, __m512 x) { acc = _mm512_fmadd_ps(w, x, acc); }
 };
 
-// exp(x) within 2 ulp (Cephes' expf polynomial after a Cody-Waite range
-// reduction); scalef makes the result 0 below -104 and inf above 89, as expf.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
+// The one vector exp (vec_math.hpp).
+inline __m512 exp_ps(__m512 x) { return vexp<Vec>(x); }
 
 // In place, as kernels::softmax (every entry -inf gives the uniform distribution).
 void softmax_ps(float* x, int n) {

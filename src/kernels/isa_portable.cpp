@@ -2,7 +2,7 @@
 // level. They do the same arithmetic as the SIMD levels (8-bit activations
 // for quantized weights, f32 activations otherwise), so the two differ only in
 // float summation order; the scalar references in quant_ref.cpp stay the
-// exact oracle (DESIGN.md rule 3).
+// exact oracle (docs/design.md rule 3).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,6 +10,7 @@
 #include "kernel_table.hpp"
 #include "qkvshare/core/half.hpp"
 #include "qkvshare/kernels/attention.hpp"
+#include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kernels/ops.hpp"
 #include "qkvshare/kernels/quant.hpp"
 
@@ -166,6 +167,7 @@ constexpr KernelTable kPortable{
     .quantize_act = quantize_act,
     .attend = attend_head_f32_ref,
     .silu_mul = silu_mul_ref,
+    .tiles = {decode_tile_ref, scores_ref, weighted_sum_ref, exp_sum_ref},
 };
 
 }  // namespace

@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "qkvshare/kernels/kv_tiles.hpp"
+
 namespace qkvshare::kernels::detail {
 
 // Activations of n_tokens rows of `cols` values rounded to 8 bits in blocks of
@@ -79,6 +81,7 @@ struct KernelTable {
   QuantizeActFn quantize_act = nullptr;
   AttendFn attend = nullptr;
   SiluMulFn silu_mul = nullptr;
+  TileKernels tiles;  // KV tile kernels (kv_tiles.hpp)
 };
 
 // Activation blocks whose largest |x| is below this are stored as zero: their
@@ -105,11 +108,21 @@ const KernelTable& portable_table() noexcept;
   void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out);           \
   void attend(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys,       \
               int head_dim, float scale, float* scores, float* out);                                        \
-  void silu_mul(float* gate, const float* up, std::int64_t n);
+  void silu_mul(float* gate, const float* up, std::int64_t n);                                               \
+  void tile_decode(const TileCodes& t, const std::byte* tile, int n_rows, float* out);                       \
+  float tile_scores(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);      \
+  void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, int head_dim);              \
+  float tile_exp_sum(float* x, int n, float max);
 namespace avx2 {
 QKVSHARE_DECLARE_ISA_KERNELS
 }
 namespace avx512 {
+QKVSHARE_DECLARE_ISA_KERNELS
+}
+namespace neon {
+QKVSHARE_DECLARE_ISA_KERNELS
+}
+namespace neon_dot {
 QKVSHARE_DECLARE_ISA_KERNELS
 }
 #undef QKVSHARE_DECLARE_ISA_KERNELS

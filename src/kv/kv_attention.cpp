@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kernels/isa.hpp"
+#include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kernels/ops.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 
@@ -17,7 +19,7 @@ namespace {
 constexpr int kChunkTokens = 16;      // query tokens per job: a decoded tile serves them all
 constexpr int kPartitionBlocks = 16;  // keys per job in decode (split-K), merged afterwards
 
-using Ops = KvKernels;
+using Ops = kernels::TileKernels;
 
 // The f32 reference: the calls of kernels::attend_head_f32_ref in the same
 // order, so an f32 pool gives DenseKvCache's bits under the portable kernels
@@ -41,6 +43,16 @@ void attend_exact_job(const AttendInput& in, std::size_t job) {
   kernels::softmax(scores.data(), n_keys);
   std::memset(in.out + qoff, 0, sizeof(float) * static_cast<std::size_t>(D));
   for (int j = 0; j < n_keys; ++j) kernels::axpy(in.out + qoff, scores[static_cast<std::size_t>(j)], row(in.v_tiles, j), D);
+}
+
+kernels::Isa isa_of(AttendPath path) {
+  switch (path) {
+    case AttendPath::avx2: return kernels::Isa::avx2;
+    case AttendPath::avx512: return kernels::Isa::avx512;
+    case AttendPath::neon: return kernels::Isa::neon;
+    case AttendPath::neon_dot: return kernels::Isa::neon_dot;
+    default: return kernels::Isa::portable;
+  }
 }
 
 using Partial = BlockAttend::Partial;
@@ -78,7 +90,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const TileLayout l = tile_layout(in.k_codecs[b], T, D);
     const float* k = reinterpret_cast<const float*>(in.k_tiles[ti]);
     if (in.k_codecs[b].type != KvType::f32) {
-      ops.decode(in.k_codecs[b], l, in.k_tiles[ti], rows, tile.data());
+      ops.decode(tile_codes(in.k_codecs[b], l), in.k_tiles[ti], rows, tile.data());
       k = tile.data();
     }
     for (int i = 0; i < nq; ++i) {
@@ -103,7 +115,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const TileLayout l = tile_layout(in.v_codecs[b], T, D);
     const float* v = reinterpret_cast<const float*>(in.v_tiles[ti]);
     if (in.v_codecs[b].type != KvType::f32) {
-      ops.decode(in.v_codecs[b], l, in.v_tiles[ti], rows, tile.data());
+      ops.decode(tile_codes(in.v_codecs[b], l), in.v_tiles[ti], rows, tile.data());
       v = tile.data();
     }
     for (int i = 0; i < nq; ++i) {
@@ -146,11 +158,9 @@ void BlockAttend::prepare(const AttendInput& in, AttendPath path) {
     ops_ = nullptr;
     return;
   }
-  const KvIsa isa = path == AttendPath::scalar ? KvIsa::scalar
-                   : path == AttendPath::avx2   ? KvIsa::avx2
-                   : path == AttendPath::avx512 ? KvIsa::avx512
-                                                : best_kv_isa();
-  ops_ = &kv_kernels(isa);
+  // The kernels layer's one dispatch: the active level unless a test or
+  // benchmark asks for a given one.
+  ops_ = path == AttendPath::automatic ? &kernels::tile_kernels() : &kernels::tile_kernels(isa_of(path));
   chunks_ = (in.n + kChunkTokens - 1) / kChunkTokens;
   // Few queries (decode): split the keys too, so every thread has work. The
   // split depends on the problem only, never on the thread count or on the

@@ -59,7 +59,7 @@ class BlockAttend final : public AttendWork {
 
  private:
   AttendInput in_;
-  const KvKernels* ops_ = nullptr;  // null: the exact f32 path
+  const kernels::TileKernels* ops_ = nullptr;  // null: the exact f32 path
   int chunks_ = 0, parts_ = 1;
   std::size_t slots_ = 0;
   std::vector<Partial> ml_;  // [parts][n][n_heads] softmax pieces of split-K decode

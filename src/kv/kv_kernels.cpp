@@ -1,5 +1,5 @@
-// Scalar reference kernels of the KV pool (the SIMD versions are in
-// kv_kernels_avx2.cpp and are tested against these).
+// Tile coding of the KV pool (the encoders) and the description of a tile
+// for the kernels layer, which decodes it (kernels/kv_tiles.hpp).
 #include "qkvshare/kv/kv_kernels.hpp"
 
 #include <algorithm>
@@ -31,13 +31,6 @@ void pack_row(const std::uint8_t* codes, int count, int bits, std::byte* row) {
     for (int i = 0; i < 8; ++i) word |= static_cast<std::uint64_t>(codes[u * 8 + i]) << (i * bits);
     for (int b = 0; b < bits; ++b) row[u * bits + b] = static_cast<std::byte>((word >> (8 * b)) & 0xffu);
   }
-}
-
-int unpack_code(const std::byte* row, int i, int bits) {
-  const int u = i / 8, k = i % 8;
-  std::uint64_t word = 0;
-  for (int b = 0; b < bits; ++b) word |= static_cast<std::uint64_t>(row[u * bits + b]) << (8 * b);
-  return static_cast<int>((word >> (k * bits)) & ((1u << bits) - 1u));
 }
 
 // inv = 1 / scale (0 when the scale is 0: every code is 0).
@@ -161,62 +154,23 @@ void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, s
   }
 }
 
+kernels::TileCodes tile_codes(const KvCodec& codec, const TileLayout& l) {
+  kernels::TileCodes t;
+  t.bits = codec.bits();
+  QKV_CHECK(t.bits == 32 || t.bits == 16 || t.bits == 8 || t.bits == 4 || t.bits == 3 || t.bits == 2);
+  QKV_CHECK(l.head_dim > 0 && l.head_dim % 8 == 0 && l.head_dim <= kernels::kTileMaxHeadDim);
+  t.per_channel = codec.quantized() && codec.axis == KvAxis::channel;
+  t.group = codec.quantized() && !t.per_channel ? effective_group(codec, l.head_dim) : 0;
+  t.head_dim = l.head_dim;
+  t.row_bytes = l.row_bytes;
+  t.param_offset = l.param_offset;
+  t.param_stride = l.param_stride;
+  return t;
+}
+
 void decode_tile_scalar(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
-  const int D = l.head_dim;
   QKV_CHECK(n_rows >= 0 && n_rows <= l.tokens);
-  if (codec.type == KvType::f32) {
-    std::memcpy(out, tile, static_cast<std::size_t>(n_rows) * l.row_bytes);
-    return;
-  }
-  if (codec.type == KvType::f16) {
-    const auto* h = reinterpret_cast<const std::uint16_t*>(tile);
-    for (std::size_t i = 0; i < static_cast<std::size_t>(n_rows) * static_cast<std::size_t>(D); ++i)
-      out[i] = fp16_to_fp32(h[i]);
-    return;
-  }
-  const int bits = codec.bits();
-  auto* t = const_cast<std::byte*>(tile);
-  const std::uint16_t* scales = scales_of(l, t);
-  const std::uint16_t* mins = mins_of(l, t);
-  const bool per_channel = codec.axis == KvAxis::channel;
-  const int G = per_channel ? 1 : effective_group(codec, D), groups = per_channel ? 1 : D / G;
-  for (int j = 0; j < n_rows; ++j) {
-    const std::byte* row = tile + static_cast<std::size_t>(j) * l.row_bytes;
-    for (int c = 0; c < D; ++c) {
-      const std::size_t p = per_channel ? static_cast<std::size_t>(c) : static_cast<std::size_t>(j * groups + c / G);
-      // fma, like the SIMD path, so both decode to the same bits.
-      out[static_cast<std::size_t>(j) * D + c] =
-          std::fma(static_cast<float>(unpack_code(row, c, bits)), fp16_to_fp32(scales[p]), fp16_to_fp32(mins[p]));
-    }
-  }
-}
-
-float scores_scalar(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int j = 0; j < n_rows; ++j) {
-    const float* k = rows + static_cast<std::ptrdiff_t>(j) * head_dim;
-    float acc = 0.0f;
-    for (int c = 0; c < head_dim; ++c) acc += q[c] * k[c];
-    s[j] = acc * scale;
-    m = std::max(m, s[j]);
-  }
-  return m;
-}
-
-void weighted_sum_scalar(float* o, const float* p, const float* rows, int n_rows, int head_dim) {
-  for (int j = 0; j < n_rows; ++j) {
-    const float* v = rows + static_cast<std::ptrdiff_t>(j) * head_dim;
-    for (int c = 0; c < head_dim; ++c) o[c] += p[j] * v[c];
-  }
-}
-
-float exp_sum_scalar(float* x, int n, float max) {
-  float sum = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - max);
-    sum += x[i];
-  }
-  return sum;
+  kernels::decode_tile_ref(tile_codes(codec, l), tile, n_rows, out);
 }
 
 namespace {

@@ -1,23 +1,47 @@
 #include <gtest/gtest.h>
-#include <immintrin.h>
 
 #include <bit>
 #include <cmath>
+#include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "qkvshare/core/half.hpp"
 
 namespace qkvshare {
 namespace {
 
-// The scalar conversions are checked against the CPU's own F16C instructions
-// over every half value and a sweep of floats.
+// The scalar conversions are checked against the CPU's own conversion
+// instructions (x86 F16C, ARM64 fcvt through __fp16) over every half value
+// and a sweep of floats.
+#if defined(__x86_64__) || defined(__i386__)
 __attribute__((target("f16c"))) std::uint16_t hw_to_half(float f) {
   return static_cast<std::uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
 }
 __attribute__((target("f16c"))) float hw_to_float(std::uint16_t h) { return _cvtsh_ss(h); }
+bool hw_half() { return __builtin_cpu_supports("f16c"); }
+#elif defined(__aarch64__)
+std::uint16_t hw_to_half(float f) {
+  const __fp16 h = static_cast<__fp16>(f);
+  std::uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+float hw_to_float(std::uint16_t bits) {
+  __fp16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
+bool hw_half() { return true; }
+#else
+std::uint16_t hw_to_half(float) { return 0; }
+float hw_to_float(std::uint16_t) { return 0.0f; }
+bool hw_half() { return false; }
+#endif
 
 TEST(Half, EveryHalfConvertsToTheSameFloatAsF16C) {
-  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "no F16C on this CPU";
+  if (!hw_half()) GTEST_SKIP() << "no hardware half conversion on this CPU";
   for (std::uint32_t h = 0; h < 65536; ++h) {
     const float want = hw_to_float(static_cast<std::uint16_t>(h));
     const float got = fp16_to_fp32(static_cast<std::uint16_t>(h));
@@ -30,7 +54,7 @@ TEST(Half, EveryHalfConvertsToTheSameFloatAsF16C) {
 }
 
 TEST(Half, FloatToHalfRoundsLikeF16C) {
-  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "no F16C on this CPU";
+  if (!hw_half()) GTEST_SKIP() << "no hardware half conversion on this CPU";
   // Every 97th float bit pattern covers normals, subnormals, ties, overflow and NaN.
   for (std::uint64_t bits = 0; bits <= 0xffffffffull; bits += 97) {
     const float f = std::bit_cast<float>(static_cast<std::uint32_t>(bits));

@@ -26,7 +26,7 @@ inline constexpr double kU = 0x1p-24;  // unit roundoff of f32
 // Every level this CPU and build can run, the portable one first.
 inline std::vector<Isa> available_isas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::portable, Isa::avx2, Isa::avx512})
+  for (Isa isa : kAllIsas)
     if (isa_available(isa)) out.push_back(isa);
   return out;
 }

@@ -209,7 +209,7 @@ TEST(MatmulIsa, RejectsUnsupportedTypesAndForcedUnavailableLevels) {
   std::vector<float> x(32), y(4);
   ThreadPool pool(1);
   EXPECT_THROW(matmul(pool, w, x.data(), 1, y.data()), Error);
-  for (Isa isa : {Isa::portable, Isa::avx2, Isa::avx512})
+  for (Isa isa : kAllIsas)
     if (!isa_available(isa)) {
       EXPECT_THROW(set_active_isa(isa), Error);
     }

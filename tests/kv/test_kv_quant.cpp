@@ -134,17 +134,17 @@ TEST(KvQuant, PerChannelKeysBeatPerTokenOnOutlierChannels) {
 }
 
 // The SIMD levels this CPU runs (the scalar reference is compared with each).
-std::vector<kv::KvIsa> simd_isas() {
-  std::vector<kv::KvIsa> out;
-  for (kv::KvIsa isa : {kv::KvIsa::avx2, kv::KvIsa::avx512})
-    if (kv::kv_isa_supported(isa)) out.push_back(isa);
+std::vector<kernels::Isa> simd_isas() {
+  std::vector<kernels::Isa> out;
+  for (kernels::Isa isa : kernels::kAllIsas)
+    if (isa != kernels::Isa::portable && kernels::isa_available(isa)) out.push_back(isa);
   return out;
 }
 
 TEST(KvQuant, SimdDecodeMatchesScalarBitForBit) {
-  if (simd_isas().empty()) GTEST_SKIP() << "no AVX2/FMA/F16C";
-  const kv::KvKernels& ref = kv::kv_kernels(kv::KvIsa::scalar);
-  for (kv::KvIsa isa : simd_isas())
+  if (simd_isas().empty()) GTEST_SKIP() << "no SIMD level on this CPU";
+  const kernels::TileKernels& ref = kernels::tile_kernels(kernels::Isa::portable);
+  for (kernels::Isa isa : simd_isas())
     for (const Case& cs : all_cases()) {
       const TileLayout l = tile_layout(cs.codec, cs.tokens, cs.dim);
       std::vector<std::byte> tile(l.bytes);
@@ -152,10 +152,10 @@ TEST(KvQuant, SimdDecodeMatchesScalarBitForBit) {
       kv::encode_tile(cs.codec, l, x.data(), tile.data());
       for (int rows : {cs.tokens, std::max(1, cs.tokens / 2 + 1), 1}) {
         std::vector<float> a(x.size(), -1.0f), b(x.size(), -1.0f);
-        ref.decode(cs.codec, l, tile.data(), rows, a.data());
-        kv::kv_kernels(isa).decode(cs.codec, l, tile.data(), rows, b.data());
+        ref.decode(kv::tile_codes(cs.codec, l), tile.data(), rows, a.data());
+        kernels::tile_kernels(isa).decode(kv::tile_codes(cs.codec, l), tile.data(), rows, b.data());
         ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-            << "isa " << static_cast<int>(isa) << " bits " << cs.codec.bits() << " axis "
+            << "isa " << kernels::isa_name(isa) << " bits " << cs.codec.bits() << " axis "
             << static_cast<int>(cs.codec.axis) << " group " << cs.codec.group << " t=" << cs.tokens << " d=" << cs.dim
             << " rows=" << rows;
       }
@@ -163,12 +163,12 @@ TEST(KvQuant, SimdDecodeMatchesScalarBitForBit) {
 }
 
 TEST(KvQuant, SimdScoresSumsExpMatchScalar) {
-  if (simd_isas().empty()) GTEST_SKIP() << "no AVX2/FMA/F16C";
-  const kv::KvKernels& ref = kv::kv_kernels(kv::KvIsa::scalar);
+  if (simd_isas().empty()) GTEST_SKIP() << "no SIMD level on this CPU";
+  const kernels::TileKernels& ref = kernels::tile_kernels(kernels::Isa::portable);
   std::mt19937 rng(5);
   std::normal_distribution<float> n(0.0f, 1.0f);
-  for (kv::KvIsa isa : simd_isas()) {
-    const kv::KvKernels& k2 = kv::kv_kernels(isa);
+  for (kernels::Isa isa : simd_isas()) {
+    const kernels::TileKernels& k2 = kernels::tile_kernels(isa);
     for (int dim : {8, 16, 24, 64, 136, 256}) {
       for (int rows : {1, 7, 8, 9, 32, 45}) {
         std::vector<float> q(static_cast<std::size_t>(dim)), k(static_cast<std::size_t>(rows * dim)), p(static_cast<std::size_t>(rows));
@@ -209,11 +209,11 @@ TEST(KvQuant, RotationIsOrthonormalAndInvertible) {
     for (int i = 0; i < n; ++i) x[static_cast<std::size_t>(i)] = std::sin(i * 1.3f) + (i == 3 ? 9.0f : 0.0f);
     for (int i = 0; i < n; ++i) q[static_cast<std::size_t>(i)] = std::cos(i * 0.7f);
     float dot = 0.0f, rdot = 0.0f;
-    kv::scores_scalar(x.data(), q.data(), 1, n, 1.0f, &dot);
+    kernels::scores_ref(x.data(), q.data(), 1, n, 1.0f, &dot);
     std::vector<float> rx = x, rq = q;
     kv::rotate(rx.data(), n);
     kv::rotate(rq.data(), n);
-    kv::scores_scalar(rx.data(), rq.data(), 1, n, 1.0f, &rdot);
+    kernels::scores_ref(rx.data(), rq.data(), 1, n, 1.0f, &rdot);
     EXPECT_NEAR(rdot, dot, 1e-4f);
     float peak = 0.0f;
     for (float v : rx) peak = std::max(peak, std::abs(v));

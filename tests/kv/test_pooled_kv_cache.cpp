@@ -43,9 +43,11 @@ struct Geometry {
 // that straddle blocks, query chunks (16) and decode partitions (16 blocks).
 TEST(PooledKvCache, SimdAttentionMatchesScalarOnEveryFormat) {
   std::vector<AttendPath> paths;
-  if (kv::kv_isa_supported(kv::KvIsa::avx2)) paths.push_back(AttendPath::avx2);
-  if (kv::kv_isa_supported(kv::KvIsa::avx512)) paths.push_back(AttendPath::avx512);
-  if (paths.empty()) GTEST_SKIP() << "no AVX2/FMA/F16C";
+  if (kernels::isa_available(kernels::Isa::avx2)) paths.push_back(AttendPath::avx2);
+  if (kernels::isa_available(kernels::Isa::avx512)) paths.push_back(AttendPath::avx512);
+  if (kernels::isa_available(kernels::Isa::neon)) paths.push_back(AttendPath::neon);
+  if (kernels::isa_available(kernels::Isa::neon_dot)) paths.push_back(AttendPath::neon_dot);
+  if (paths.empty()) GTEST_SKIP() << "no SIMD level on this CPU";
   ThreadPool threads(2);
   const Geometry geos[] = {{{2, 6, 3, 16}, 8}, {{1, 4, 4, 8}, 32}, {{1, 9, 3, 64}, 16}, {{1, 2, 1, 48}, 4}};
   const int sizes[] = {1, 7, 33, 1, 1, 50, 3, 1, 90, 1, 1};

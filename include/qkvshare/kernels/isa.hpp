@@ -1,16 +1,20 @@
 #pragma once
 // The one run-time dispatch point of the ISA-specific kernels (matmul,
-// activation quantization, attention). The CPU is probed once; tests and
+// activation quantization, attention, the KV tile kernels of kv_tiles.hpp). The CPU is probed once; tests and
 // benchmarks may force a lower level to compare it with the others.
 #include <string_view>
 
 namespace qkvshare::kernels {
 
 enum class Isa : int {
-  portable = 0,  // plain C++: every CPU (and the base for a future NEON level)
-  avx2 = 1,      // AVX2 + FMA + F16C: integer dots with maddubs
-  avx512 = 2,    // AVX-512 F/BW/VL/DQ + VNNI: integer dots with vpdpbusd
+  portable = 0,  // plain C++: every CPU
+  avx2 = 1,      // x86-64: AVX2 + FMA + F16C, integer dots with maddubs
+  avx512 = 2,    // x86-64: AVX-512 F/BW/VL/DQ + VNNI, integer dots with vpdpbusd
+  neon = 3,      // ARM64: base ARMv8-A NEON, integer dots with smull + sadalp
+  neon_dot = 4,  // ARM64: NEON + dotprod (ARMv8.2-A sdot)
 };
+// Every level, the portable one first (tests compare each available one with it).
+inline constexpr Isa kAllIsas[] = {Isa::portable, Isa::avx2, Isa::avx512, Isa::neon, Isa::neon_dot};
 
 std::string_view isa_name(Isa isa) noexcept;
 // Compiled into this build and supported by this CPU (and its OS).

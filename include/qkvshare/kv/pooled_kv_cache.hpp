@@ -53,7 +53,7 @@ struct KvRope {
 // How attention reads the blocks: the automatic choice uses the best SIMD
 // kernels of the CPU, and for f32 K and V the exact reference sequence of
 // DenseKvCache (so an f32 pool reproduces its logits; see kv_attention.cpp).
-enum class AttendPath { automatic, scalar, avx2, avx512, exact };
+enum class AttendPath { automatic, scalar, avx2, avx512, neon, neon_dot, exact };
 
 class PooledKvCache final : public KvCache {
  public:

@@ -1,0 +1,24 @@
+// AVX-512 (16 lanes) instantiation of the KV tile kernels (kv_tiles.hpp).
+// Heads that are not a multiple of 16 go to the AVX2 instantiation (every
+// AVX-512 CPU has AVX2). Built with AVX-512 flags; reached only through
+// isa.cpp after the CPU check.
+#include "kernel_table.hpp"
+#include "kv_tiles.hpp"
+
+namespace qkvshare::kernels::detail::avx512 {
+
+void tile_decode(const TileCodes& t, const std::byte* tile, int n_rows, float* out) {
+  if (t.head_dim % Vec::N != 0) return avx2::tile_decode(t, tile, n_rows, out);
+  detail::tile_decode<Vec>(t, tile, n_rows, out);
+}
+float tile_scores(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s) {
+  if (head_dim % Vec::N != 0) return avx2::tile_scores(q, rows, n_rows, head_dim, scale, s);
+  return detail::tile_scores<Vec>(q, rows, n_rows, head_dim, scale, s);
+}
+void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, int head_dim) {
+  if (head_dim % Vec::N != 0) return avx2::tile_weighted_sum(o, p, rows, n_rows, head_dim);
+  detail::tile_weighted_sum<Vec>(o, p, rows, n_rows, head_dim);
+}
+float tile_exp_sum(float* x, int n, float max) { return detail::tile_exp_sum<Vec>(x, n, max); }
+
+}  // namespace qkvshare::kernels::detail::avx512

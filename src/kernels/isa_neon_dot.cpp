@@ -1,0 +1,35 @@
+// NEON + dotprod level (ARMv8.2-A sdot, chosen at run time when the CPU
+// reports it): the quantized matmuls with sdot; every other kernel is the
+// base NEON level's (isa_neon.cpp). Built with -march=armv8.2-a+dotprod;
+// reached only through isa.cpp after the CPU check.
+#define QKVSHARE_NEON_NS neon_dot
+#define QKVSHARE_NEON_DOT 1
+#include "neon_gemm.hpp"
+
+namespace qkvshare::kernels::detail::neon_dot {
+
+void gemm_f32(const GemmArgs& a) { neon::gemm_f32(a); }
+void gemm_f16(const GemmArgs& a) { neon::gemm_f16(a); }
+void gemm_bf16(const GemmArgs& a) { neon::gemm_bf16(a); }
+void gemm_q8_0(const GemmArgs& a) { gemm_tiled<FQ8_0, 2, 2>(a); }
+void gemm_q4_0(const GemmArgs& a) { gemm_tiled<FQ4_0, 2, 2>(a); }
+void gemm_q4_1(const GemmArgs& a) { gemm_tiled<FQ4_1, 2, 2>(a); }
+void gemm_q6_k(const GemmArgs& a) { gemm_tiled<FQ6_K, 2, 2>(a); }
+void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out) {
+  neon::quantize_act(x, n, bias_mult, out);
+}
+void attend(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys, int head_dim,
+            float scale, float* scores, float* out) {
+  neon::attend(q, keys, values, stride, n_keys, head_dim, scale, scores, out);
+}
+void silu_mul(float* gate, const float* up, std::int64_t n) { neon::silu_mul(gate, up, n); }
+void tile_decode(const TileCodes& t, const std::byte* tile, int n_rows, float* out) { neon::tile_decode(t, tile, n_rows, out); }
+float tile_scores(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s) {
+  return neon::tile_scores(q, rows, n_rows, head_dim, scale, s);
+}
+void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, int head_dim) {
+  neon::tile_weighted_sum(o, p, rows, n_rows, head_dim);
+}
+float tile_exp_sum(float* x, int n, float max) { return neon::tile_exp_sum(x, n, max); }
+
+}  // namespace qkvshare::kernels::detail::neon_dot
