@@ -75,7 +75,9 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--port", args->o.port, "Port (0: any free port, printed on stdout)")->check(CLI::Range(0, 65535));
   cmd->add_option("--kv", args->o.kv, "KV format of new contexts (kv_format syntax: f16, int8, int4, k8v4, ...)");
   cmd->add_option("--pool", args->o.pool, "Named shared pool to attach (created if absent), so other processes can open handles");
-  cmd->add_option("--pool-mib", args->pool_mib, "Size of a pool this server creates, MiB")->check(CLI::Range(16, 1 << 20));
+  cmd->add_option("--pool-mib", args->pool_mib, "Size of a pool this server creates, MiB")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--max-contexts", args->o.max_contexts, "Sealed contexts a pool this server creates can hold")
+      ->check(CLI::Range(8, 65536));
   cmd->add_option("--cache-mib", args->cache_mib, "KV MiB kept for cached contexts before LRU eviction (0: 3/4 of the pool)")
       ->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--parallel", args->o.parallel, "Requests decoding at once")->check(CLI::Range(1, 256));

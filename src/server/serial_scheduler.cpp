@@ -80,7 +80,7 @@ class SerialScheduler final : public Scheduler {
   void submit(std::shared_ptr<Job> job) override {
     std::lock_guard lock(mu_);
     if (stopping_) throw ApiError(503, "server_shutting_down", "", "the server is shutting down");
-    if (static_cast<int>(queue_.size()) >= o_.queue)
+    if (static_cast<int>(queue_.size()) + active_ >= o_.parallel + o_.queue)
       throw ApiError(429, "rate_limit_error", "",
                      fmt::format("the request queue is full ({} waiting, {} running); retry later", queue_.size(), active_));
     queue_.push_back(std::move(job));

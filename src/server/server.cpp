@@ -503,9 +503,14 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
   if (!o.api_key_file.empty()) m.tenants = Tenants::load(o.api_key_file);
   ShareConfig cfg;
   cfg.bytes = o.pool_bytes;
-  cfg.max_contexts = 1024;
-  cfg.max_grants = 4096;
-  cfg.max_tokens = std::max(cfg.max_tokens, m.capacity);
+  // The registry reserves room for max_tokens ids (and text) per record:
+  // size it by this server's context, not the share layer's default.
+  if (o.max_contexts < 8 || o.max_contexts > 65536)
+    fail(ErrorCode::invalid_argument, "--max-contexts: {} is not in 8..65536", o.max_contexts);
+  cfg.max_contexts = o.max_contexts;
+  cfg.max_grants = 4 * o.max_contexts;
+  cfg.max_processes = 32;
+  cfg.max_tokens = m.capacity;
   if (o.pool.empty()) {
     m.pool = SharePool::create_anonymous(cfg);
   } else {

@@ -27,6 +27,7 @@ struct ServerOptions {
   std::size_t pool_bytes = std::size_t{512} << 20;  // a pool this server creates
   std::size_t cache_bytes = 0;            // KV bytes kept for cached contexts (0: 3/4 of the pool arena)
   int parallel = 4, queue = 64, ctx = 0;  // ctx 0: the model's context length
+  int max_contexts = 256;                 // sealed contexts a pool this server creates can hold
   std::string api_key_file;               // empty: one tenant, "default", no authentication
   bool auto_reuse = true;
   std::size_t max_body_bytes = std::size_t{8} << 20;
