@@ -83,6 +83,7 @@ struct Server::Impl {
   std::mutex tokenizer_mu;  // the tokenizers keep per-call scratch; one encode at a time
   std::mutex stop_mu;
   bool stopped = false;
+  bool created_pool = false;
 
   Impl(Engine& e, ServerOptions opts) : engine(e), o(std::move(opts)) {}
 
@@ -519,6 +520,7 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
     } catch (const Error& e) {
       if (e.code() != ErrorCode::io) throw;
       m.pool = SharePool::create(o.pool, cfg);
+      m.created_pool = true;  // ours: unlinked at stop()
     }
   }
   try {
@@ -564,6 +566,7 @@ void Server::stop(bool cancel) {
   m.scheduler->shutdown(cancel);  // running jobs finish (or end), queued ones get 503
   m.http.stop();                  // waits for the handlers, which have their answers now
   m.store->release_all();
+  if (m.created_pool) ShmRegion::unlink(m.o.pool);  // processes attached keep their mapping
 }
 
 void install_decode_only_routes(httplib::Server& http) {
