@@ -23,12 +23,14 @@ export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 build-tsan/tests/test_core --gtest_filter='ThreadPool.*'
 build-tsan/tests/test_kv --gtest_filter='KvPool.*'
 build-tsan/tests/test_share
-echo "[test] libFuzzer: the GGUF and descriptor parsers, 60 s each" >&2
+echo "[test] libFuzzer: the GGUF and descriptor parsers 60 s each, the server's HTTP request path 30 s" >&2
 CXX=clang++ CC=clang cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_FUZZ=ON \
   -DQKVSHARE_BUILD_TESTS=OFF -DQKVSHARE_BUILD_BENCH=OFF >&2
-cmake --build build-fuzz -j "$(nproc)" --target fuzz_gguf fuzz_descriptor >&2
-for f in fuzz_gguf fuzz_descriptor; do
+cmake --build build-fuzz -j "$(nproc)" --target fuzz_gguf fuzz_descriptor fuzz_http >&2
+for f in fuzz_gguf fuzz_descriptor fuzz_http; do
   mkdir -p "build-fuzz/corpus-$f"
-  "build-fuzz/tests/fuzz/$f" -max_total_time=60 -seed=1 -print_final_stats=1 "build-fuzz/corpus-$f" 2>&1 | tail -5
+  seconds=60 seeds=()
+  [ "$f" = fuzz_http ] && seconds=30 seeds=(tests/fuzz/corpus_http)
+  "build-fuzz/tests/fuzz/$f" -max_total_time=$seconds -seed=1 -print_final_stats=1 "build-fuzz/corpus-$f" "${seeds[@]}" 2>&1 | tail -5
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[test] $f found a crash" >&2; exit 1; }
 done

@@ -569,27 +569,4 @@ void Server::stop(bool cancel) {
   if (m.created_pool) ShmRegion::unlink(m.o.pool);  // processes attached keep their mapping
 }
 
-void install_decode_only_routes(httplib::Server& http) {
-  const auto decode = [](Endpoint e) {
-    return [e](const httplib::Request& req, httplib::Response& res) {
-      try {
-        const CompletionRequest r = decode_request(e, req.body);
-        if (!r.ext.context.empty() && r.ext.context.rfind("qkv1.", 0) == 0) decode_handle(r.ext.context, "qkvshare.context");
-        res.set_content("{}", "application/json");
-      } catch (const std::exception& ex) {
-        send_exception(res, ex);
-      }
-    };
-  };
-  http.Post("/v1/chat/completions", decode(Endpoint::chat));
-  http.Post("/v1/completions", decode(Endpoint::completion));
-  http.Post(R"(/v1/contexts/([^/]+)/fork)", [](const httplib::Request& req, httplib::Response& res) {
-    try {
-      decode_fork_request(req.body);
-    } catch (const std::exception& ex) {
-      send_exception(res, ex);
-    }
-  });
-}
-
 }  // namespace qkvshare::server
