@@ -536,7 +536,7 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
   if (im_end) m.im_end = *im_end;
   m.store = std::make_unique<ContextStore>(m.pool, engine, StoreOptions{o.cache_bytes, o.auto_reuse});
   register_metrics(m.metrics);
-  m.scheduler = make_serial_scheduler(engine, *m.store, m.metrics, SchedulerOptions{o.parallel, o.queue, 256, m.capacity});
+  m.scheduler = make_batched_scheduler(engine, *m.store, m.metrics, SchedulerOptions{o.parallel, o.queue, 256, m.capacity});
   const int threads = o.http_threads > 0 ? o.http_threads : o.parallel + o.queue + 8;
   m.http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<std::size_t>(threads)); };
   m.http.set_payload_max_length(o.max_body_bytes);

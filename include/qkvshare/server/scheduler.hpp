@@ -3,13 +3,11 @@
 // request (prompt tokens, where its KV may come from, sampling); the
 // scheduler runs it to the end and reports text as it is produced.
 //
-// SerialScheduler drives the present Engine/Session API from one worker
-// thread (the engine's scratch is not shared between threads): each round
-// it admits queued jobs up to `parallel`, then gives every active job one
-// step — a prefill chunk or one decode token per choice — so concurrent
-// requests advance together and stream fairly. Sessions are stepped one by
-// one; the batched step API (one forward pass for all sessions) is meant to
-// replace exactly this loop behind the same interface.
+// The implementation (batched_scheduler.cpp) drives the engine's step API
+// (engine/scheduler.hpp) from one worker thread: it admits queued jobs up to
+// `parallel`, and every step is one Engine::forward_batch over the next token
+// of every decoding request and prompt chunks of the others, so concurrent
+// requests decode in one batched pass and stream together.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -78,7 +76,7 @@ struct Job {
 struct SchedulerOptions {
   int parallel = 4;       // jobs decoding at once
   int queue = 64;         // jobs waiting beyond those; more is 429
-  int prefill_chunk = 256;  // prompt tokens per step, so one long prompt does not stall the others
+  int prefill_chunk = 256;  // tokens per step (the step API's token budget), so one long prompt does not stall the others
   int capacity = 0;       // tokens per session (0: the model's context length)
 };
 
@@ -94,7 +92,7 @@ class Scheduler {
   virtual int active() const = 0;
 };
 
-std::unique_ptr<Scheduler> make_serial_scheduler(Engine& engine, ContextStore& store, Metrics& metrics,
-                                                 SchedulerOptions options);
+std::unique_ptr<Scheduler> make_batched_scheduler(Engine& engine, ContextStore& store, Metrics& metrics,
+                                                  SchedulerOptions options);
 
 }  // namespace qkvshare::server
