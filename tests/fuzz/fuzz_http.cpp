@@ -85,9 +85,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   static FuzzableServer server;
   FuzzedStream stream(data + 1, size - 1);
   server.run(stream);
-  // Whatever came in, a complete HTTP response must have gone out.
-  if (stream.response().rfind("HTTP/1.1 ", 0) != 0) {
-    std::fprintf(stderr, "no HTTP response for the input\n");
+  // A request cut off before its request line closes the connection silently;
+  // anything else must be answered with an HTTP response.
+  if (!stream.response().empty() && stream.response().rfind("HTTP/1.1 ", 0) != 0) {
+    std::fprintf(stderr, "a malformed HTTP response for the input\n");
     std::abort();
   }
   return 0;
