@@ -125,7 +125,10 @@ class BatchedScheduler final : public Scheduler {
         begin(running_.back());
       }
       for (Running& r : running_)
-        if (r.job->cancelled && !r.cancel_sent) cancel(r, std::make_exception_ptr(ApiError(499, "cancelled", "", "the client closed the connection")));
+        if (r.job->cancelled && !r.cancel_sent) {
+          metrics_.add("qkvshare_requests_cancelled_total", "");
+          cancel(r, std::make_exception_ptr(ApiError(499, "cancelled", "", "the client closed the connection")));
+        }
       metrics_.set("qkvshare_queue_depth", "", queue_depth());
       metrics_.set("qkvshare_sessions_active", "", static_cast<double>(running_.size()));
       steps_.step();

@@ -24,7 +24,8 @@ def stream_request(port, body):
 
 def test_disconnect_mid_stream_frees_the_session(make_server):
     s = make_server("--parallel", "2", "--kv", "f16")
-    sock = stream_request(s.port, {"prompt": "Once", "max_tokens": 100000 // 200, "stream": True, "temperature": 1,
+    # Eight choices of 500 tokens: seconds of work, so the server is still writing when the client leaves.
+    sock = stream_request(s.port, {"prompt": "Once", "max_tokens": 500, "n": 8, "stream": True, "temperature": 1,
                                    "seed": 1})
     got = b""
     while b"data: " not in got:
