@@ -10,6 +10,7 @@ APT_PACKAGES=(
   nlohmann-json3-dev libcli11-dev libfmt-dev  # JSON, command line, formatting
   libpcre2-dev                                # Unicode regexes of the BPE pre-tokenizers
   libxxhash-dev libyaml-cpp-dev               # descriptor checksums, workflow files
+  libcpp-httplib-dev curl                     # `qkvshare serve` (HTTP server), its curl tests
   clang libclang-rt-dev                       # libFuzzer targets of the parsers (tests/fuzz)
   libsodium-dev                               # tiers: XChaCha20-Poly1305 of spilled and remote blocks
   libhiredis-dev redis-server                 # tiers: the remote tier's client, and the server its tests start
@@ -65,4 +66,8 @@ fi
 if ! .venv/bin/python -c "import numpy, gguf, tokenizers, pytest" 2>/dev/null; then
   echo "[setup] installing Python packages from tests/reference/requirements.txt" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/reference/requirements.txt >&2
+fi
+if ! .venv/bin/python -c "import openai, langgraph, langchain_openai" 2>/dev/null; then
+  echo "[setup] installing Python packages from tests/server/requirements.txt" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/server/requirements.txt >&2
 fi

@@ -14,10 +14,10 @@ echo "[test] release build: full suite" >&2
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 echo "[test] ARM64: cross build, the emulation-labelled C++ tests under qemu-user" >&2
 scripts/test_aarch64.sh
-echo "[test] ASan+UBSan build: C++ tests" >&2
+echo "[test] ASan+UBSan build: C++ tests (the server's HTTP tests run in the release build only)" >&2
 BUILD_DIR=build-asan BUILD_TYPE=Debug scripts/build.sh -DQKVSHARE_SANITIZE=ON -DQKVSHARE_BUILD_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE "reference|slow"
+  ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE "reference|slow|server"
 echo "[test] ThreadSanitizer build: the concurrent parts (thread pool, KV pool, share layer, batched passes and scheduler, tiers' prefetch)" >&2
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_TSAN=ON -DQKVSHARE_BUILD_BENCH=OFF >&2
 cmake --build build-tsan -j "$(nproc)" --target test_core test_kv test_share test_engine test_tiers >&2
@@ -27,12 +27,14 @@ build-tsan/tests/test_kv --gtest_filter='KvPool.*'
 build-tsan/tests/test_share
 build-tsan/tests/test_engine --gtest_filter='SchedulerTest.*:BatchTest.MixedBatchMatchesEachAloneToRounding*'
 build-tsan/tests/test_tiers --gtest_filter='Tiers.*'
-echo "[test] libFuzzer: the GGUF and descriptor parsers, 60 s each" >&2
+echo "[test] libFuzzer: the GGUF and descriptor parsers 60 s each, the server's HTTP request path 30 s" >&2
 CXX=clang++ CC=clang cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_FUZZ=ON \
   -DQKVSHARE_BUILD_TESTS=OFF -DQKVSHARE_BUILD_BENCH=OFF >&2
-cmake --build build-fuzz -j "$(nproc)" --target fuzz_gguf fuzz_descriptor >&2
-for f in fuzz_gguf fuzz_descriptor; do
+cmake --build build-fuzz -j "$(nproc)" --target fuzz_gguf fuzz_descriptor fuzz_http >&2
+for f in fuzz_gguf fuzz_descriptor fuzz_http; do
   mkdir -p "build-fuzz/corpus-$f"
-  "build-fuzz/tests/fuzz/$f" -max_total_time=60 -seed=1 -print_final_stats=1 "build-fuzz/corpus-$f" 2>&1 | tail -5
+  seconds=60 seeds=()
+  [ "$f" = fuzz_http ] && seconds=30 seeds=(tests/fuzz/corpus_http)
+  "build-fuzz/tests/fuzz/$f" -max_total_time=$seconds -seed=1 -print_final_stats=1 "build-fuzz/corpus-$f" "${seeds[@]}" 2>&1 | tail -5
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[test] $f found a crash" >&2; exit 1; }
 done

@@ -39,5 +39,6 @@ void register_pool(CLI::App&);     // share: cmd_pool.cpp
 void register_eval(CLI::App&);
 void register_run(CLI::App&);
 void register_splice_eval(CLI::App&);
+void register_serve(CLI::App&);  // server: cmd_serve.cpp
 
 }  // namespace qkvshare::cli

@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   qkvshare::cli::register_eval(app);
   qkvshare::cli::register_run(app);
   qkvshare::cli::register_splice_eval(app);
+  qkvshare::cli::register_serve(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,122 @@
+#pragma once
+// The server's sealed contexts: every completion's context (prompt + reply)
+// is sealed into the shared pool, indexed for automatic reuse within its
+// tenant, and named to the client by a handle (a descriptor granted to the
+// tenant, so another process on the same pool can open it too). Contexts are
+// evicted least recently used first when the pool's KV bytes pass the budget
+// or the registry runs out of records; a handle to an evicted context is
+// answered 404. Thread-safe: HTTP handlers and the scheduler share it.
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qkvshare/engine/engine.hpp"
+#include "qkvshare/server/reuse_index.hpp"
+#include "qkvshare/share/share_pool.hpp"
+
+namespace qkvshare::server {
+
+struct StoreOptions {
+  std::size_t budget_bytes = 0;  // KV bytes of the pool kept for cached contexts (0: 3/4 of the arena)
+  bool auto_reuse = true;
+};
+
+struct SealedInfo {
+  std::uint64_t id = 0;
+  std::string name;    // "ctx-<16 hex>"
+  std::string handle;  // the owner's descriptor, as a handle
+  int tokens = 0;
+  std::string format;
+  std::vector<std::pair<std::string, std::string>> grants;  // agent -> handle
+};
+
+class ContextStore {
+ public:
+  ContextStore(std::shared_ptr<SharePool> pool, Engine& engine, StoreOptions options);
+  ~ContextStore();  // revokes every context it sealed
+  ContextStore(const ContextStore&) = delete;
+  ContextStore& operator=(const ContextStore&) = delete;
+
+  SharePool& pool() noexcept { return *pool_; }
+  static std::string name_of(std::uint64_t id);
+
+  // Seals `session` for `owner`, grants it to `grant_to`, indexes it for reuse.
+  SealedInfo add(const std::string& owner, const Session& session, const KvFormat& format,
+                 const std::vector<std::string>& grant_to, bool index);
+
+  // A client's reference ("ctx-..." id or "qkv1." handle) to a context
+  // `tenant` may open: its own, or granted to it. Throws ApiError 400 (not a
+  // reference), 404 (unknown, evicted, released or another tenant's).
+  std::uint64_t resolve(const std::string& tenant, const std::string& ref, const std::string& param);
+  // The tokens and format of a resolved context.
+  std::vector<TokenId> tokens(std::uint64_t id);
+  KvFormat format(std::uint64_t id);
+
+  // Longest indexed prefix of `prompt` among `tenant`'s contexts in `format`.
+  ReuseIndex::Match lookup(const std::string& tenant, const KvFormat& format, std::span<const TokenId> prompt);
+
+  // A session on the first `tokens` tokens of context `id` (no KV copied), of
+  // `capacity` tokens. The result may hold fewer tokens (down to a block
+  // boundary: a quantized block cannot be cut); returns nullptr when none is left.
+  std::unique_ptr<Session> open_prefix(std::uint64_t id, const std::string& tenant, int tokens, int capacity);
+
+  // Owner: revokes the context and all its handles; grantee: drops its grant.
+  void release(const std::string& tenant, std::uint64_t id);
+  // A new context on the same blocks, owned by `tenant`.
+  SealedInfo fork(const std::string& tenant, std::uint64_t id, const std::vector<std::string>& grant_to);
+  nlohmann::json describe(const std::string& tenant, std::uint64_t id);
+  nlohmann::json list(const std::string& tenant);
+
+  // Evicts least recently used contexts while the pool uses more KV bytes
+  // than the budget; evict_one() for an allocation that failed. Both return
+  // how many contexts went.
+  int evict_over_budget();
+  bool evict_one();
+
+  struct FormatStats {
+    int contexts = 0;
+    long long tokens = 0, blocks = 0;
+    std::size_t bytes = 0;
+  };
+  std::map<std::string, FormatStats> stats();
+  std::uint64_t evictions() const noexcept { return evictions_; }
+  std::size_t budget_bytes() const noexcept { return options_.budget_bytes; }
+  void release_all();
+
+ private:
+  struct Entry {
+    std::string owner;
+    SealedContext sealed;
+    Descriptor own;  // granted to the owner: the handle, and what internal opens use
+    std::map<std::string, Descriptor> grants;
+    std::vector<TokenId> tokens;
+    KvFormat format;
+    std::size_t bytes = 0;
+    int blocks = 0;
+    std::int64_t created_ms = 0;
+    std::uint64_t last_used = 0;
+  };
+  std::string partition(const std::string& tenant, const KvFormat& format) const;
+  Entry& visible(const std::string& tenant, std::uint64_t id);  // 404 unless visible
+  SealedInfo add_locked(const std::string& owner, const PooledKvCache& cache, std::span<const TokenId> tokens,
+                        const KvFormat& format, const std::vector<std::string>& grant_to, bool index);
+  void drop_locked(std::uint64_t id);
+  bool evict_one_locked();
+
+  std::shared_ptr<SharePool> pool_;
+  Engine& engine_;
+  StoreOptions options_;
+  ModelFingerprint fingerprint_;
+  std::mutex mu_;
+  std::map<std::uint64_t, Entry> entries_;
+  ReuseIndex index_;
+  std::uint64_t clock_ = 0, evictions_ = 0;
+};
+
+}  // namespace qkvshare::server

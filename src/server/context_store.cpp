@@ -1,0 +1,297 @@
+#include "qkvshare/server/context_store.hpp"
+
+#include <charconv>
+
+#include "qkvshare/server/api.hpp"
+#include "qkvshare/share/fingerprint.hpp"
+#include "qkvshare/share/handoff.hpp"
+
+namespace qkvshare::server {
+
+namespace {
+
+std::int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::string handle_of(const Descriptor& d) {
+  const DescriptorBytes b = d.encode();
+  return encode_handle(std::vector<std::uint8_t>(b.begin(), b.end()));
+}
+
+[[noreturn]] void not_found(const std::string& param, const std::string& message) {
+  throw ApiError(404, "not_found_error", param, message);
+}
+
+// Seal/grant fail with out_of_memory when the registry is full; evicting a
+// cached context frees a record and its grants, so retry after each one.
+template <typename F>
+auto with_eviction(F&& f, const std::function<bool()>& evict) {
+  for (;;) {
+    try {
+      return f();
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::out_of_memory || !evict()) throw;
+    }
+  }
+}
+
+}  // namespace
+
+ContextStore::ContextStore(std::shared_ptr<SharePool> pool, Engine& engine, StoreOptions options)
+    : pool_(std::move(pool)), engine_(engine), options_(options), fingerprint_(model_fingerprint(engine.model())),
+      index_(pool_->kv_pool(engine.kv_shape())->block_tokens()) {
+  if (options_.budget_bytes == 0) options_.budget_bytes = pool_->kv_pool(engine.kv_shape())->counters().arena_bytes / 4 * 3;
+}
+
+ContextStore::~ContextStore() { release_all(); }
+
+void ContextStore::release_all() {
+  std::lock_guard lock(mu_);
+  while (!entries_.empty()) drop_locked(entries_.begin()->first);
+}
+
+std::string ContextStore::name_of(std::uint64_t id) { return fmt::format("ctx-{:016x}", id); }
+
+std::string ContextStore::partition(const std::string& tenant, const KvFormat& format) const {
+  return tenant + "\n" + format.to_string();
+}
+
+SealedInfo ContextStore::add(const std::string& owner, const Session& session, const KvFormat& format,
+                             const std::vector<std::string>& grant_to, bool index) {
+  const auto* cache = dynamic_cast<const PooledKvCache*>(&session.cache());
+  QKV_CHECK(cache != nullptr);
+  std::lock_guard lock(mu_);
+  return add_locked(owner, *cache, session.tokens(), format, grant_to, index);
+}
+
+SealedInfo ContextStore::add_locked(const std::string& owner, const PooledKvCache& cache, std::span<const TokenId> tokens,
+                                    const KvFormat& format, const std::vector<std::string>& grant_to, bool index) {
+  const auto evict = [this] { return evict_one_locked(); };
+  const std::string text = engine_.model().tokenizer().decode(tokens);
+  const SealedContext sealed =
+      with_eviction([&] { return pool_->seal(cache, tokens, text, fingerprint_, owner); }, evict);
+  Entry e;
+  e.owner = owner;
+  e.sealed = sealed;
+  e.tokens.assign(tokens.begin(), tokens.end());
+  e.format = format;
+  e.bytes = cache.kv_bytes();
+  for (const KvSegment& s : cache.segments()) e.blocks += static_cast<int>(s.blocks.size());
+  e.created_ms = now_ms();
+  e.last_used = ++clock_;
+  try {
+    e.own = with_eviction([&] { return pool_->grant(sealed, owner, owner); }, evict);
+    for (const std::string& g : grant_to)
+      if (g != owner) e.grants[g] = with_eviction([&] { return pool_->grant(sealed, owner, g); }, evict);
+  } catch (...) {
+    pool_->revoke(sealed);
+    throw;
+  }
+  SealedInfo info{sealed.context_id, name_of(sealed.context_id), handle_of(e.own), sealed.tokens, format.to_string(), {}};
+  for (const auto& [agent, d] : e.grants) info.grants.emplace_back(agent, handle_of(d));
+  if (index && options_.auto_reuse) index_.insert(sealed.context_id, partition(owner, format), e.tokens);
+  entries_.emplace(sealed.context_id, std::move(e));
+  return info;
+}
+
+ContextStore::Entry& ContextStore::visible(const std::string& tenant, std::uint64_t id) {
+  const auto it = entries_.find(id);
+  if (it == entries_.end() || (it->second.owner != tenant && !it->second.grants.count(tenant)))
+    not_found("context", fmt::format("context {} does not exist for this API key (it was released, evicted, or never "
+                                     "granted to tenant '{}')", name_of(id), tenant));
+  it->second.last_used = ++clock_;
+  return it->second;
+}
+
+std::uint64_t ContextStore::resolve(const std::string& tenant, const std::string& ref, const std::string& param) {
+  if (ref.rfind("ctx-", 0) == 0) {
+    std::uint64_t id = 0;
+    const char* b = ref.data() + 4;
+    const char* end = ref.data() + ref.size();
+    const auto [p, ec] = std::from_chars(b, end, id, 16);
+    if (ec != std::errc() || p != end || ref.size() != 20)
+      bad_request(param, fmt::format("'{}': '{}' is not a context id (ctx- and 16 hex digits)", param, ref));
+    std::lock_guard lock(mu_);
+    return visible(tenant, id).sealed.context_id;
+  }
+  const std::vector<std::uint8_t> bytes = decode_handle(ref, param);
+  Descriptor d;
+  try {
+    d = Descriptor::decode(bytes, param);
+  } catch (const Error& e) {
+    bad_request(param, e.what());
+  }
+  if (d.grantee != tenant)
+    not_found(param, fmt::format("'{}': this handle was granted to '{}', not to tenant '{}'", param, d.grantee, tenant));
+  const DescriptorStatus st = pool_->check(d);
+  if (!st.pool_matches || !st.capability_valid || !st.live)
+    not_found(param, fmt::format("'{}': the handle is not valid here: {}", param, st.problem));
+  std::lock_guard lock(mu_);
+  if (entries_.count(d.context_id)) return visible(tenant, d.context_id).sealed.context_id;
+  // Made by another process on this pool (e.g. `qkvshare generate --publish
+  // --grant TENANT`): take it over as this tenant's context, on its blocks.
+  OpenedContext oc = pool_->open(d, tenant, /*want_kv=*/true, engine_.model().config().context_length);
+  if (!oc.cache)
+    not_found(param, fmt::format("'{}': context {} cannot be used on its KV here: {}", param, d.context_id, oc.refused_detail));
+  const KvFormat format = oc.cache->format();
+  const SealedInfo info = add_locked(tenant, *oc.cache, oc.tokens, format, {}, true);
+  pool_->release(d, tenant);  // the grantee is done with the foreign descriptor
+  return info.id;
+}
+
+std::vector<TokenId> ContextStore::tokens(std::uint64_t id) {
+  std::lock_guard lock(mu_);
+  const auto it = entries_.find(id);
+  if (it == entries_.end()) not_found("qkvshare.context", fmt::format("context {} was released or evicted", name_of(id)));
+  return it->second.tokens;
+}
+
+KvFormat ContextStore::format(std::uint64_t id) {
+  std::lock_guard lock(mu_);
+  const auto it = entries_.find(id);
+  if (it == entries_.end()) not_found("qkvshare.context", fmt::format("context {} was released or evicted", name_of(id)));
+  return it->second.format;
+}
+
+ReuseIndex::Match ContextStore::lookup(const std::string& tenant, const KvFormat& format, std::span<const TokenId> prompt) {
+  std::lock_guard lock(mu_);
+  if (!options_.auto_reuse) return {};
+  return index_.longest_prefix(partition(tenant, format), prompt);
+}
+
+std::unique_ptr<Session> ContextStore::open_prefix(std::uint64_t id, const std::string& tenant, int tokens, int capacity) {
+  std::lock_guard lock(mu_);
+  Entry& e = visible(tenant, id);
+  OpenedContext oc = pool_->open(e.own, e.owner, /*want_kv=*/true, capacity);
+  if (!oc.cache)
+    fail(ErrorCode::bad_descriptor, "context {}: its KV cannot be used: {}", name_of(id), oc.refused_detail);
+  const int n = static_cast<int>(e.tokens.size());
+  tokens = std::min(tokens, n);
+  if (tokens == n) return std::make_unique<Session>(std::move(oc.cache), std::move(oc.tokens));
+  // A prefix: the first blocks of the table, the last one cut where the
+  // prompt departs. Only a hot (row-coded) block can be cut; for a cold one
+  // fall back to the block boundary and recompute the rest.
+  const auto kv = pool_->kv_pool(engine_.kv_shape());
+  const int T = kv->block_tokens();
+  std::vector<BlockRef> all;
+  for (const KvSegment& s : oc.cache->segments()) all.insert(all.end(), s.blocks.begin(), s.blocks.end());
+  for (int attempt = 0; attempt < 2 && tokens > 0; ++attempt) {
+    const std::size_t k = static_cast<std::size_t>((tokens + T - 1) / T);
+    std::vector<KvSegment> seg(1);
+    seg[0].blocks.assign(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(k));
+    try {
+      auto cache = PooledKvCache::adopt(kv, e.format, capacity, std::move(seg), tokens);
+      return std::make_unique<Session>(std::move(cache), std::vector<TokenId>(e.tokens.begin(), e.tokens.begin() + tokens));
+    } catch (const Error& err) {
+      if (err.code() != ErrorCode::invalid_argument) throw;
+      tokens = tokens / T * T;
+    }
+  }
+  return nullptr;
+}
+
+void ContextStore::release(const std::string& tenant, std::uint64_t id) {
+  std::lock_guard lock(mu_);
+  Entry& e = visible(tenant, id);
+  if (e.owner == tenant) {
+    drop_locked(id);
+    return;
+  }
+  pool_->release(e.grants.at(tenant), tenant);
+  e.grants.erase(tenant);
+}
+
+SealedInfo ContextStore::fork(const std::string& tenant, std::uint64_t id, const std::vector<std::string>& grant_to) {
+  std::lock_guard lock(mu_);
+  Entry& e = visible(tenant, id);
+  OpenedContext oc = pool_->open(e.own, e.owner, /*want_kv=*/true, engine_.model().config().context_length);
+  if (!oc.cache) fail(ErrorCode::bad_descriptor, "context {}: its KV cannot be used: {}", name_of(id), oc.refused_detail);
+  const KvFormat format = e.format;
+  const std::vector<TokenId> toks = e.tokens;
+  return add_locked(tenant, *oc.cache, toks, format, grant_to, true);
+}
+
+nlohmann::json ContextStore::describe(const std::string& tenant, std::uint64_t id) {
+  std::lock_guard lock(mu_);
+  Entry& e = visible(tenant, id);
+  nlohmann::json grants = nlohmann::json::array();
+  for (const auto& [agent, d] : e.grants) grants.push_back(agent);
+  const Descriptor& d = e.owner == tenant ? e.own : e.grants.at(tenant);
+  return {{"id", name_of(id)},
+          {"object", "qkvshare.context"},
+          {"owner", e.owner},
+          {"tokens", e.tokens.size()},
+          {"format", e.format.to_string()},
+          {"blocks", e.blocks},
+          {"kv_bytes", e.bytes},
+          {"created", e.created_ms / 1000},
+          {"granted_to", grants},
+          {"handle", handle_of(d)},
+          {"descriptor", nlohmann::json::parse(d.json())}};
+}
+
+nlohmann::json ContextStore::list(const std::string& tenant) {
+  std::lock_guard lock(mu_);
+  nlohmann::json data = nlohmann::json::array();
+  for (const auto& [id, e] : entries_) {
+    if (e.owner != tenant && !e.grants.count(tenant)) continue;
+    data.push_back({{"id", name_of(id)},
+                    {"object", "qkvshare.context"},
+                    {"owner", e.owner},
+                    {"tokens", e.tokens.size()},
+                    {"format", e.format.to_string()},
+                    {"created", e.created_ms / 1000}});
+  }
+  return {{"object", "list"}, {"data", data}};
+}
+
+void ContextStore::drop_locked(std::uint64_t id) {
+  const auto it = entries_.find(id);
+  if (it == entries_.end()) return;
+  index_.erase(id);
+  try {
+    pool_->revoke(it->second.sealed);
+  } catch (const Error&) {
+    // Already gone from the pool (revoked by its producer elsewhere): nothing to give back.
+  }
+  entries_.erase(it);
+}
+
+bool ContextStore::evict_one_locked() {
+  if (entries_.empty()) return false;
+  auto victim = entries_.begin();
+  for (auto it = entries_.begin(); it != entries_.end(); ++it)
+    if (it->second.last_used < victim->second.last_used) victim = it;
+  drop_locked(victim->first);
+  ++evictions_;
+  return true;
+}
+
+bool ContextStore::evict_one() {
+  std::lock_guard lock(mu_);
+  return evict_one_locked();
+}
+
+int ContextStore::evict_over_budget() {
+  std::lock_guard lock(mu_);
+  int n = 0;
+  const auto kv = pool_->kv_pool(engine_.kv_shape());
+  while (kv->counters().bytes_used > options_.budget_bytes && evict_one_locked()) ++n;
+  return n;
+}
+
+std::map<std::string, ContextStore::FormatStats> ContextStore::stats() {
+  std::lock_guard lock(mu_);
+  std::map<std::string, FormatStats> out;
+  for (const auto& [id, e] : entries_) {
+    FormatStats& s = out[e.format.to_string()];
+    ++s.contexts;
+    s.tokens += static_cast<long long>(e.tokens.size());
+    s.blocks += e.blocks;
+    s.bytes += e.bytes;
+  }
+  return out;
+}
+
+}  // namespace qkvshare::server

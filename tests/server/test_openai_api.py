@@ -1,0 +1,118 @@
+"""Every endpoint through the `openai` client (PyPI) and curl, streaming and not."""
+import json
+import subprocess
+
+import httpx
+import openai
+import pytest
+
+MSG = [{"role": "user", "content": "Once upon a time, there was a little girl named Lily."}]
+
+
+def client(server, key="none"):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_health_models_metrics(server):
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["stories260K"]
+    text = httpx.get(server.url + "/metrics").text
+    for family in ("qkvshare_requests_total", "qkvshare_tokens_prefilled_total", "qkvshare_ttft_seconds_bucket",
+                   "qkvshare_token_latency_seconds_count", "qkvshare_pool_blocks", "qkvshare_queue_depth"):
+        assert family in text
+
+
+def test_chat_completion_and_stream_agree(server):
+    c = client(server)
+    r = c.chat.completions.create(model="stories260K", messages=MSG, max_tokens=24, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    ext = r.model_extra["qkvshare"]
+    assert ext["context"]["id"].startswith("ctx-") and ext["context"]["handle"].startswith("qkv1.")
+    chunks = list(c.chat.completions.create(model="stories260K", messages=MSG, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"qkvshare": {"reuse": False}}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].model_extra["qkvshare"]["context"]["tokens"] > 0
+
+
+def test_completions_stream_and_not(server):
+    c = client(server)
+    r = c.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=16, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text
+    parts = list(c.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=16, temperature=0,
+                                      stream=True, extra_body={"qkvshare": {"reuse": False}}))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == r.choices[0].text
+    ids = c.completions.create(model="stories260K", prompt=[1, 403, 407], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_sampling_options(server):
+    c = client(server)
+    a = c.completions.create(model="stories260K", prompt="Once", max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
+    b = c.completions.create(model="stories260K", prompt="Once", max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
+    assert a.choices[0].text == b.choices[0].text  # same seed, same text
+    n = c.completions.create(model="stories260K", prompt="Once", max_tokens=20, temperature=1.0, seed=3, n=3)
+    assert sorted(ch.index for ch in n.choices) == [0, 1, 2]
+    assert len(n.model_extra["qkvshare"]["contexts"]) == 3
+    assert len({ch.text for ch in n.choices}) > 1  # different seeds per choice
+    full = c.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=30, temperature=0,
+                                extra_body={"qkvshare": {"reuse": False}}).choices[0].text
+    word = full.split()[2]
+    cut = c.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=30, temperature=0,
+                               stop=[word], extra_body={"qkvshare": {"reuse": False}})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[:full.index(word)]
+    one = c.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=1, temperature=0)
+    assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+
+
+def test_automatic_reuse_is_exact_and_reported(make_server):
+    s = make_server("--kv", "f32")
+    c = client(s)
+    first = c.chat.completions.create(model="stories260K", messages=MSG, max_tokens=40, temperature=0)
+    convo = MSG + [{"role": "assistant", "content": first.choices[0].message.content},
+                   {"role": "user", "content": "The next day, Lily went to the park."}]
+    reused = c.chat.completions.create(model="stories260K", messages=convo, max_tokens=20, temperature=0)
+    fresh = c.chat.completions.create(model="stories260K", messages=convo, max_tokens=20, temperature=0,
+                                      extra_body={"qkvshare": {"reuse": False}})
+    assert reused.usage.prompt_tokens_details.cached_tokens >= 32
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    ext = reused.model_extra["qkvshare"]
+    assert ext["reuse"]["automatic"] is True and ext["reuse"]["mode"] in ("continue", "fork")
+    assert ext["reused_tokens"] + ext["computed_tokens"] == reused.usage.prompt_tokens
+    assert reused.choices[0].message.content == fresh.choices[0].message.content
+    m = s.metrics()
+    assert sum(v for k, v in m.items() if k.startswith("qkvshare_tokens_reused_total")) >= 32
+
+
+def test_no_auto_reuse_flag(make_server):
+    s = make_server("--no-auto-reuse")
+    c = client(s)
+    c.completions.create(model="stories260K", prompt="Once upon a time, there was a little girl named Lily. She",
+                         max_tokens=8, temperature=0)
+    r = c.completions.create(model="stories260K", prompt="Once upon a time, there was a little girl named Lily. She",
+                             max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_curl_stream_and_error_shape(server):
+    out = subprocess.run(["curl", "-sS", "-N", "--max-time", "30", server.url + "/v1/chat/completions",
+                          "-H", "Content-Type: application/json",
+                          "-d", json.dumps({"messages": MSG, "max_tokens": 8, "stream": True})],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    events = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[0])["object"] == "chat.completion.chunk"
+    err = subprocess.run(["curl", "-sS", "--max-time", "30", "-w", "\n%{http_code}", server.url + "/v1/completions",
+                          "-d", "{not json"], capture_output=True, text=True, timeout=60, check=True).stdout
+    body, code = err.rsplit("\n", 1)
+    assert code == "400"
+    assert "not valid JSON" in json.loads(body)["error"]["message"]
