@@ -4,7 +4,7 @@
 // quant_ref.cpp to keep files readable; quant_ref.cpp dispatches to them.
 #include <cstdint>
 
-#include "qkvshare/model/tensor.hpp"
+#include "qkvshare/tensor/tensor.hpp"
 
 namespace qkvshare::kernels::detail {
 

@@ -4,8 +4,6 @@ namespace qkvshare {
 
 namespace {
 
-using kernels::RopeStyle;
-
 // GGUF `llama` files are permuted by the converter for ggml's "normal"
 // (adjacent-pair) RoPE; the others keep the HF layout and use NeoX RoPE.
 // Mistral files from llama.cpp's converter say `llama`; `mistral` is the name

@@ -19,7 +19,8 @@ struct GenerateOptions {
   bool stop_at_end_of_generation = true;  // EOS / end-of-turn tokens
 };
 
-enum class StopReason { max_tokens, end_of_generation, stop_string, context_full };
+// cancelled and error only end Scheduler requests (generate() throws instead).
+enum class StopReason { max_tokens, end_of_generation, stop_string, context_full, cancelled, error };
 std::string_view to_string(StopReason reason) noexcept;
 
 struct GenerateResult {

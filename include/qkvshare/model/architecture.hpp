@@ -5,13 +5,13 @@
 #include <string>
 #include <string_view>
 
-#include "qkvshare/kernels/ops.hpp"
+#include "qkvshare/tensor/tensor.hpp"  // RopeStyle
 
 namespace qkvshare {
 
 struct ArchTraits {
   std::string_view name;  // general.architecture, and the prefix of its keys
-  kernels::RopeStyle rope = kernels::RopeStyle::interleaved;
+  RopeStyle rope = RopeStyle::interleaved;
   bool qkv_bias = false;   // attn_{q,k,v}.bias (qwen2)
   bool qk_norm = false;    // attn_{q,k}_norm.weight: RMSNorm of each q and k head before RoPE (qwen3)
   bool fused_qkv = false;  // attn_qkv.weight = Q|K|V rows, ffn_up.weight = gate|up rows (phi3)
