@@ -23,7 +23,12 @@
 #include "qkvshare/kernels/quant.hpp"  // block layouts only
 #include "simd_intrin.hpp"
 
-namespace qkvshare::kernels::detail {
+// The including unit names its ISA namespace (avx2, avx512) first, so that
+// every symbol made from these formats carries it (tests/kernels/check_isa_isolation.sh).
+#ifndef QKVSHARE_F256_ISA
+#error "define QKVSHARE_F256_ISA (the unit's ISA namespace) before including gemm_formats_256.hpp"
+#endif
+namespace qkvshare::kernels::detail::QKVSHARE_F256_ISA {
 namespace {
 namespace f256 {
 
@@ -220,4 +225,4 @@ struct FIQ4_XS : Base<Kind::signed_codes> {
 
 }  // namespace f256
 }  // namespace
-}  // namespace qkvshare::kernels::detail
+}  // namespace qkvshare::kernels::detail::QKVSHARE_F256_ISA

@@ -2,6 +2,7 @@
 // the AVX2 (maddubs + madd). Built with AVX2/FMA/F16C flags; reached only through isa.cpp after the CPU check. The formats
 // are in gemm_formats_256.hpp. Decoding is bound by memory bandwidth, so
 // 256-bit steps (one activation block each) lose nothing to 512-bit ones.
+#define QKVSHARE_F256_ISA avx2
 #include "gemm_formats_256.hpp"
 
 namespace qkvshare::kernels::detail::avx2 {

@@ -2,6 +2,7 @@
 // the AVX-512 level: vpdpbusd on 256-bit registers (AVX-512VL + VNNI; 32 registers hold a 4 x 3 tile). Built with AVX-512 flags; reached only through isa.cpp after the CPU check. The formats
 // are in gemm_formats_256.hpp. Decoding is bound by memory bandwidth, so
 // 256-bit steps (one activation block each) lose nothing to 512-bit ones.
+#define QKVSHARE_F256_ISA avx512
 #include "gemm_formats_256.hpp"
 
 namespace qkvshare::kernels::detail::avx512 {
