@@ -175,7 +175,7 @@ class Run {
     const AgentSpec& agent = wf_.agents.at(step.agent);
     Runtime& rt = runtime(step.agent);
     const Tokenizer& tok = rt.model->tokenizer();
-    const TurnFormat turns(tok);
+    const TurnFormat turns(*rt.model);
     StepMetrics m;
     m.step = step.id;
     m.agent = step.agent;

@@ -4,18 +4,11 @@
 
 namespace qkvshare::agents {
 
-TurnFormat::TurnFormat(const Tokenizer& tok) : chatml_(tok.find("<|im_start|>").has_value() && tok.find("<|im_end|>")) {}
-
-std::string TurnFormat::turn(const std::string& role, const std::string& content) const {
-  if (chatml_) return "<|im_start|>" + role + "\n" + content + "<|im_end|>\n";
-  return content + "\n";
-}
-
 std::string TurnFormat::open(const std::string& system, const std::string& user) const {
-  std::string s = system.empty() ? "" : turn("system", system);
-  s += turn("user", user);
-  if (chatml_) s += "<|im_start|>assistant\n";
-  return s;
+  std::vector<ChatMessage> turns;
+  if (!system.empty()) turns.push_back({"system", system});
+  turns.push_back({"user", user});
+  return tmpl_.format(turns, /*add_generation_prompt=*/true);
 }
 
 std::string TurnFormat::open_user(const std::string& system) const {
@@ -26,7 +19,7 @@ std::string TurnFormat::close_user() const { return chatml_ ? "<|im_end|>\n<|im_
 
 std::string TurnFormat::append(const std::string& system, const std::string& user) const {
   // The previous reply is still open: close it, then open the new turn.
-  return (chatml_ ? "<|im_end|>\n" : "\n") + open(system, user);
+  return tmpl_.close_reply() + open(system, user);
 }
 
 std::string render_prompt(const Workflow& wf, const StepSpec& step, const std::map<std::string, std::string>& outputs) {

@@ -1,16 +1,16 @@
 #pragma once
-// How agent turns become text: ChatML when the model's vocabulary has
-// <|im_start|> (SmolLM2, Qwen2), plain lines otherwise (stories260K).
+// How agent turns become text: the model's own chat template (Model::chat_template:
+// ChatML for SmolLM2, Llama-3, Gemma, ... plain lines for stories260K).
 #include <string>
 
 #include "qkvshare/agents/workflow.hpp"
-#include "qkvshare/model/tokenizer.hpp"
+#include "qkvshare/model/model.hpp"
 
 namespace qkvshare::agents {
 
 class TurnFormat {
  public:
-  explicit TurnFormat(const Tokenizer& tok);
+  explicit TurnFormat(const Model& model) : tmpl_(model.chat_template()) {}
   // The opening of a fresh context: system and user turns, then the assistant's start.
   std::string open(const std::string& system, const std::string& user) const;
   // open() in two halves around the user turn's content:
@@ -19,11 +19,10 @@ class TurnFormat {
   std::string close_user() const;
   // Appended to an existing transcript that ends with an assistant reply.
   std::string append(const std::string& system, const std::string& user) const;
-  bool chatml() const noexcept { return chatml_; }
+  const ChatTemplate& chat_template() const noexcept { return tmpl_; }
 
  private:
-  std::string turn(const std::string& role, const std::string& content) const;
-  bool chatml_;
+  ChatTemplate tmpl_;
 };
 
 // Fills {task}, {inputs}, {output:STEP} and {doc:NAME}. Text inputs the

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <optional>
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
@@ -20,7 +21,9 @@ struct GenerateArgs {
   int n_new = 128;
   SamplingParams sampling;
   bool chat = false;
-  std::string system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+  std::string chat_template;  // a family name; empty: the model's own
+  bool no_think = false;
+  std::optional<std::string> system;
   std::vector<std::string> stops;
   bool ignore_eos = false;
   bool json = false;
@@ -33,9 +36,17 @@ void run_generate(const GenerateArgs& a) {
   auto model = load_model(a.model);
   const Tokenizer& tok = model->tokenizer();
   std::vector<TokenId> prompt;
-  if (a.chat) {
-    const ChatMessage messages[] = {{"system", a.system}, {"user", a.prompt}};
-    prompt = encode_prompt(tok, format_chatml(messages, true), /*special=*/true);
+  const bool chat = a.chat || !a.chat_template.empty();
+  std::optional<ChatTemplate> tmpl;
+  if (chat) {
+    tmpl = model->chat_template(a.chat_template, !a.no_think);
+    // Without --system, the default system message of the model's own template (SmolLM2, Qwen2.5 have one).
+    const std::string system =
+        a.system.value_or(template_default_system(model->chat_template_source()).value_or(""));
+    std::vector<ChatMessage> messages;
+    if (!system.empty()) messages.push_back({"system", system});
+    messages.push_back({"user", a.prompt});
+    prompt = encode_prompt(tok, tmpl->format(messages, true), /*special=*/true);
   } else {
     prompt = encode_prompt(tok, a.prompt, /*special=*/false);
   }
@@ -43,7 +54,7 @@ void run_generate(const GenerateArgs& a) {
 
   Engine engine(*model, engine_options(a.model));
   ShareRun share(a.share, *model, engine, a.ctx);
-  prompt = share.prompt(tok, a.prompt, a.chat, prompt);
+  prompt = share.prompt(tok, a.prompt, tmpl ? &*tmpl : nullptr, prompt);
   auto session = share.session(engine, a.ctx);
   GenerateOptions opts;
   opts.max_new_tokens = a.n_new;
@@ -54,7 +65,7 @@ void run_generate(const GenerateArgs& a) {
   std::function<void(std::string_view)> sink;
   if (!a.json) {
     std::fputs(a.prompt.c_str(), stdout);
-    if (a.chat) std::fputc('\n', stdout);
+    if (chat) std::fputc('\n', stdout);
     std::fflush(stdout);
     sink = [](std::string_view s) {
       std::fwrite(s.data(), 1, s.size(), stdout);
@@ -99,8 +110,12 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--repeat-penalty", args->sampling.repeat_penalty, "Repetition penalty (1: off)");
   cmd->add_option("--repeat-last-n", args->sampling.repeat_last_n, "Tokens the penalty looks back over");
   cmd->add_option("--seed", args->sampling.seed, "Random seed");
-  cmd->add_flag("--chat", args->chat, "Format the prompt as a ChatML user turn");
-  cmd->add_option("--system", args->system, "System message for --chat");
+  cmd->add_flag("--chat", args->chat, "Format the prompt as a user turn of the model's own chat template");
+  cmd->add_option("--chat-template", args->chat_template,
+                  "Chat template family instead of the model's (chatml, qwen3, llama3, gemma, phi3, mistral, plain); "
+                  "implies --chat");
+  cmd->add_flag("--no-think", args->no_think, "Qwen3: answer without a reasoning block");
+  cmd->add_option("--system", args->system, "System message for --chat (default: the one the model's template inserts, if any)");
   cmd->add_option("--stop", args->stops, "Stop string (repeatable)");
   cmd->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at end-of-generation tokens");
   cmd->add_option("--ctx", args->ctx, "Context size in tokens (0: the model's)")->check(CLI::Range(0, 1 << 22));

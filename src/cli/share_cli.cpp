@@ -57,12 +57,12 @@ ShareRun::ShareRun(const ShareArgs& a, const Model& model, Engine& engine, int c
                  opened_.detail.empty() ? "" : ": ", opened_.detail.c_str(), opened_.prefill_tokens, opened_.seconds);
 }
 
-std::vector<TokenId> ShareRun::prompt(const Tokenizer& tok, const std::string& text, bool chat,
+std::vector<TokenId> ShareRun::prompt(const Tokenizer& tok, const std::string& text, const ChatTemplate* chat,
                                       const std::vector<TokenId>& fresh) const {
   if (!continuing()) return fresh;
-  if (chat) {
+  if (chat != nullptr) {
     const ChatMessage turn[] = {{"user", text}};
-    return tok.encode(format_chatml(turn, true), /*parse_special=*/true);
+    return tok.encode(chat->format(turn, true), /*parse_special=*/true);
   }
   return tok.encode(text);
 }

@@ -28,8 +28,9 @@ class ShareRun {
   // Checks the flags, attaches the pool and, with --from, opens the descriptor.
   ShareRun(const ShareArgs& args, const Model& model, Engine& engine, int ctx);
   bool continuing() const noexcept { return opened_.session != nullptr; }
-  // The prompt's ids: appended to the opened context (no BOS) or a fresh prompt.
-  std::vector<TokenId> prompt(const Tokenizer& tok, const std::string& text, bool chat,
+  // The prompt's ids: appended to the opened context (no BOS) or a fresh
+  // prompt. `chat`: the model's chat template, when the prompt is a chat turn.
+  std::vector<TokenId> prompt(const Tokenizer& tok, const std::string& text, const ChatTemplate* chat,
                               const std::vector<TokenId>& fresh) const;
   // The session to generate in: handed off, in the pool, or the engine's own.
   std::unique_ptr<Session> session(Engine& engine, int ctx);

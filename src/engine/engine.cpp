@@ -151,6 +151,18 @@ void Engine::run_batch(std::span<const BatchEntry> entries) {
           kernels::add_inplace(&k_[r * kvd], reinterpret_cast<const float*>(lw.bk->data), kvd);
           kernels::add_inplace(&v_[r * kvd], reinterpret_cast<const float*>(lw.bv->data), kvd);
         }
+        if (lw.q_norm) {  // qwen3: each head RMS-normalised with its own weights, before RoPE
+          const auto* qn = reinterpret_cast<const float*>(lw.q_norm->data);
+          const auto* kn = reinterpret_cast<const float*>(lw.k_norm->data);
+          for (int h = 0; h < c.n_heads; ++h) {
+            float* qh = &q_[r * qd + h * c.head_dim];
+            kernels::rmsnorm(qh, qh, qn, c.head_dim, c.rms_eps);
+          }
+          for (int h = 0; h < c.n_kv_heads; ++h) {
+            float* kh = &k_[r * kvd + h * c.head_dim];
+            kernels::rmsnorm(kh, kh, kn, c.head_dim, c.rms_eps);
+          }
+        }
         const auto pos = static_cast<float>(p0 + t);
         kernels::rope(&q_[r * qd], c.n_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);
         kernels::rope(&k_[r * kvd], c.n_kv_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);

@@ -19,7 +19,10 @@ namespace {
   detail::KernelTable {                                                                                            \
     .gemm_f32 = detail::ns::gemm_f32, .gemm_f16 = detail::ns::gemm_f16, .gemm_bf16 = detail::ns::gemm_bf16,        \
     .gemm_q8_0 = detail::ns::gemm_q8_0, .gemm_q4_0 = detail::ns::gemm_q4_0, .gemm_q4_1 = detail::ns::gemm_q4_1,    \
-    .gemm_q6_k = detail::ns::gemm_q6_k, .quantize_act = detail::ns::quantize_act, .attend = detail::ns::attend,     \
+    .gemm_q6_k = detail::ns::gemm_q6_k, .gemm_q5_0 = detail::ns::gemm_q5_0, .gemm_q5_1 = detail::ns::gemm_q5_1,    \
+    .gemm_q2_k = detail::ns::gemm_q2_k, .gemm_q3_k = detail::ns::gemm_q3_k, .gemm_q4_k = detail::ns::gemm_q4_k,    \
+    .gemm_q5_k = detail::ns::gemm_q5_k, .gemm_iq4_nl = detail::ns::gemm_iq4_nl,                                    \
+    .gemm_iq4_xs = detail::ns::gemm_iq4_xs, .quantize_act = detail::ns::quantize_act, .attend = detail::ns::attend,     \
     .silu_mul = detail::ns::silu_mul,                                                                              \
     .tiles = {detail::ns::tile_decode, detail::ns::tile_scores, detail::ns::tile_weighted_sum,                     \
               detail::ns::tile_exp_sum},                                                                           \

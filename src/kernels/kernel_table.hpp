@@ -35,6 +35,10 @@ struct ActQ8 {
 inline constexpr std::int32_t kBiasQ4_0 = -8;
 inline constexpr std::int32_t kBiasQ8_0 = -128;
 inline constexpr std::int32_t kBiasQ6_K = -32;
+inline constexpr std::int32_t kBiasQ5_0 = -16;
+inline constexpr std::int32_t kBiasQ3_K = -4;
+// IQ4_NL / IQ4_XS share Q8_0's activations: signed codes offset by 128 where
+// the kernel needs unsigned ones (gemm_formats_256.hpp).
 
 // y[t * ldy + r] = W.row(r0 + r) . x[t] for r < n_rows, t < n_tokens.
 struct GemmArgs {
@@ -44,7 +48,7 @@ struct GemmArgs {
   std::int64_t cols = 0;
   std::int64_t n_tokens = 0;
   const float* x = nullptr;  // float activations [t * cols + i] (F32, F16, BF16 weights)
-  ActQ8 act;                 // quantized activations (Q8_0, Q4_0, Q4_1, Q6_K weights)
+  ActQ8 act;                 // quantized activations (every block-quantized weight type)
   float* y = nullptr;
   std::int64_t ldy = 0;
 };
@@ -78,6 +82,14 @@ struct KernelTable {
   GemmFn gemm_q4_0 = nullptr;
   GemmFn gemm_q4_1 = nullptr;
   GemmFn gemm_q6_k = nullptr;
+  GemmFn gemm_q5_0 = nullptr;
+  GemmFn gemm_q5_1 = nullptr;
+  GemmFn gemm_q2_k = nullptr;
+  GemmFn gemm_q3_k = nullptr;
+  GemmFn gemm_q4_k = nullptr;
+  GemmFn gemm_q5_k = nullptr;
+  GemmFn gemm_iq4_nl = nullptr;
+  GemmFn gemm_iq4_xs = nullptr;
   QuantizeActFn quantize_act = nullptr;
   AttendFn attend = nullptr;
   SiluMulFn silu_mul = nullptr;
@@ -97,6 +109,15 @@ const KernelTable& portable_table() noexcept;
 // The entry points of each SIMD level, defined in its own translation units
 // and gathered into tables by isa.cpp (built with base flags, so that nothing
 // of a level runs before the CPU check).
+#define QKVSHARE_DECLARE_MORE_GEMMS                                                                          \
+  void gemm_q5_0(const GemmArgs& a);                                                                         \
+  void gemm_q5_1(const GemmArgs& a);                                                                         \
+  void gemm_q2_k(const GemmArgs& a);                                                                         \
+  void gemm_q3_k(const GemmArgs& a);                                                                         \
+  void gemm_q4_k(const GemmArgs& a);                                                                         \
+  void gemm_q5_k(const GemmArgs& a);                                                                         \
+  void gemm_iq4_nl(const GemmArgs& a);                                                                       \
+  void gemm_iq4_xs(const GemmArgs& a);
 #define QKVSHARE_DECLARE_ISA_KERNELS                                                                         \
   void gemm_f32(const GemmArgs& a);                                                                          \
   void gemm_f16(const GemmArgs& a);                                                                          \
@@ -105,6 +126,7 @@ const KernelTable& portable_table() noexcept;
   void gemm_q4_0(const GemmArgs& a);                                                                         \
   void gemm_q4_1(const GemmArgs& a);                                                                         \
   void gemm_q6_k(const GemmArgs& a);                                                                         \
+  QKVSHARE_DECLARE_MORE_GEMMS                                                                                \
   void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out);           \
   void attend(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys,       \
               int head_dim, float scale, float* scores, float* out);                                        \
@@ -116,6 +138,10 @@ const KernelTable& portable_table() noexcept;
 namespace avx2 {
 QKVSHARE_DECLARE_ISA_KERNELS
 }
+// The portable kernels of the types above (isa_portable_more.cpp).
+namespace portable {
+QKVSHARE_DECLARE_MORE_GEMMS
+}
 namespace avx512 {
 QKVSHARE_DECLARE_ISA_KERNELS
 }
@@ -126,5 +152,6 @@ namespace neon_dot {
 QKVSHARE_DECLARE_ISA_KERNELS
 }
 #undef QKVSHARE_DECLARE_ISA_KERNELS
+#undef QKVSHARE_DECLARE_MORE_GEMMS
 
 }  // namespace qkvshare::kernels::detail

@@ -15,8 +15,9 @@ namespace {
 using detail::GemmArgs;
 using detail::KernelTable;
 
+// Every block type multiplies 8-bit activations; only the float types do not.
 bool quantizes_activations(GgmlType type) {
-  return type == GgmlType::Q8_0 || type == GgmlType::Q4_0 || type == GgmlType::Q4_1 || type == GgmlType::Q6_K;
+  return type != GgmlType::F32 && type != GgmlType::F16 && type != GgmlType::BF16;
 }
 
 std::int32_t bias_mult(GgmlType type) {
@@ -24,7 +25,11 @@ std::int32_t bias_mult(GgmlType type) {
     case GgmlType::Q4_0: return detail::kBiasQ4_0;
     case GgmlType::Q8_0: return detail::kBiasQ8_0;
     case GgmlType::Q6_K: return detail::kBiasQ6_K;
-    default: return 0;
+    case GgmlType::Q5_0: return detail::kBiasQ5_0;
+    case GgmlType::Q3_K: return detail::kBiasQ3_K;
+    case GgmlType::IQ4_NL:
+    case GgmlType::IQ4_XS: return detail::kBiasQ8_0;
+    default: return 0;  // the types with a minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) need none
   }
 }
 
@@ -37,6 +42,14 @@ detail::GemmFn gemm_for(const KernelTable& k, GgmlType type) {
     case GgmlType::Q4_0: return k.gemm_q4_0;
     case GgmlType::Q4_1: return k.gemm_q4_1;
     case GgmlType::Q6_K: return k.gemm_q6_k;
+    case GgmlType::Q5_0: return k.gemm_q5_0;
+    case GgmlType::Q5_1: return k.gemm_q5_1;
+    case GgmlType::Q2_K: return k.gemm_q2_k;
+    case GgmlType::Q3_K: return k.gemm_q3_k;
+    case GgmlType::Q4_K: return k.gemm_q4_k;
+    case GgmlType::Q5_K: return k.gemm_q5_k;
+    case GgmlType::IQ4_NL: return k.gemm_iq4_nl;
+    case GgmlType::IQ4_XS: return k.gemm_iq4_xs;
     default: fail(ErrorCode::unsupported, "no matmul kernel for tensor type {}", type_name(type));
   }
 }

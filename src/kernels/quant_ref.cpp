@@ -5,6 +5,7 @@
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/half.hpp"
 #include "qkvshare/kernels/quant.hpp"
+#include "quant_ref_internal.hpp"
 
 namespace qkvshare::kernels {
 
@@ -97,8 +98,21 @@ void dequantize_row_ref(GgmlType type, const std::uint8_t* src, float* dst, std:
     case GgmlType::Q8_0: dequant_q8_0(blocks<BlockQ8_0>(src), dst, n / bs); return;
     case GgmlType::Q6_K: dequant_q6_k(blocks<BlockQ6_K>(src), dst, n / bs); return;
     default:
-      fail(ErrorCode::unsupported, "no kernel for tensor type {}", type_name(type));
+      if (!detail::dequantize_more_ref(type, src, dst, n, /*min=*/false))
+        fail(ErrorCode::unsupported, "no kernel for tensor type {}", type_name(type));
   }
+}
+
+void dequantize_row_min_ref(GgmlType type, const std::uint8_t* src, float* dst, std::int64_t n) {
+  const std::int64_t bs = type_traits(type).block_size;
+  QKV_CHECK(n % bs == 0);
+  if (type == GgmlType::Q4_1) {
+    const auto* b = blocks<BlockQ4_1>(src);
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = fp16_to_fp32(b[i / kQK].m);
+    return;
+  }
+  if (detail::dequantize_more_ref(type, src, dst, n, /*min=*/true)) return;
+  std::fill(dst, dst + n, 0.0f);
 }
 
 float dot_row_ref(GgmlType type, const std::uint8_t* row, const float* x, std::int64_t n) {
@@ -230,7 +244,9 @@ void quantize_row_ref(GgmlType type, const float* src, std::uint8_t* dst, std::i
     case GgmlType::Q4_0: quant_q4_0(src, reinterpret_cast<BlockQ4_0*>(dst), n / bs); return;
     case GgmlType::Q4_1: quant_q4_1(src, reinterpret_cast<BlockQ4_1*>(dst), n / bs); return;
     case GgmlType::Q6_K: quant_q6_k(src, reinterpret_cast<BlockQ6_K*>(dst), n / bs); return;
-    default: fail(ErrorCode::unsupported, "cannot quantize to {}", type_name(type));
+    default:
+      if (!detail::quantize_more_ref(type, src, dst, n))
+        fail(ErrorCode::unsupported, "cannot quantize to {}", type_name(type));
   }
 }
 

@@ -19,6 +19,19 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::string& t
   return model;
 }
 
+ChatTemplate Model::chat_template(std::string_view name, bool thinking) const {
+  if (!name.empty()) return ChatTemplate(parse_chat_family(name), thinking);
+  if (!chat_template_.empty()) {
+    if (auto f = detect_chat_family(chat_template_)) return ChatTemplate(*f, thinking);
+    fail(ErrorCode::unsupported,
+         "{}: tokenizer.chat_template: not a recognised family (chatml, qwen3, llama3, gemma, phi3, mistral); "
+         "choose one with --chat-template NAME",
+         path_);
+  }
+  if (tokenizer_->find("<|im_start|>") && tokenizer_->find("<|im_end|>")) return ChatTemplate(ChatFamily::chatml, thinking);
+  return ChatTemplate(ChatFamily::plain, thinking);
+}
+
 std::size_t Model::weight_bytes() const noexcept {
   std::size_t total = weights_.output.nbytes + weights_.output_norm.nbytes;
   for (const auto& l : weights_.layers)
@@ -73,6 +86,11 @@ void Model::validate() const {
       expect_vector(path_, *l.bq, c.q_dim());
       expect_vector(path_, *l.bk, c.kv_dim());
       expect_vector(path_, *l.bv, c.kv_dim());
+    }
+    if (c.qk_norm) {
+      if (!l.q_norm || !l.k_norm) fail(ErrorCode::bad_model_file, "{}: {} needs q/k norm weights", path_, c.architecture);
+      expect_vector(path_, *l.q_norm, c.head_dim);
+      expect_vector(path_, *l.k_norm, c.head_dim);
     }
   }
   if (tokenizer_->vocab_size() != c.vocab_size)

@@ -1,8 +1,9 @@
 // Maps a GGUF file's metadata and tensors onto ModelConfig / ModelWeights for
-// the `llama` and `qwen2` architectures.
+// the architectures of model/architecture.hpp.
 #include <cmath>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/model/architecture.hpp"
 #include "qkvshare/model/gguf.hpp"
 #include "qkvshare/model/model.hpp"
 
@@ -17,6 +18,20 @@ int get_dim(const GgufFile& f, const std::string& key, std::int64_t lo, std::int
   return static_cast<int>(v);
 }
 
+// Rows [r0, r0 + n) of a matrix, as a view of their own (the parts of phi3's fused tensors).
+TensorView row_range(const std::string& path, const TensorView& t, std::int64_t r0, std::int64_t n,
+                     const std::string& name) {
+  if (t.n_dims != 2 || r0 + n > t.rows())
+    fail(ErrorCode::bad_model_file, "{}: tensor '{}': {} rows, need {} for the fused parts", path, t.name, t.rows(),
+         r0 + n);
+  TensorView v = t;
+  v.name = name;
+  v.ne = {t.ne[0], n, 1, 1};
+  v.data = t.data + static_cast<std::size_t>(r0) * t.row_bytes();
+  v.nbytes = static_cast<std::size_t>(n) * t.row_bytes();
+  return v;
+}
+
 }  // namespace
 
 std::unique_ptr<Model> Model::load_gguf(const std::string& path, MappedFile::Mode mode) {
@@ -28,9 +43,10 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, MappedFile::Mod
 
   ModelConfig& c = model->config_;
   c.architecture = f.get_string("general.architecture");
-  if (c.architecture != "llama" && c.architecture != "qwen2")
-    fail(ErrorCode::bad_model_file, "{}: general.architecture: '{}' is not supported (llama, qwen2 are)", path,
-         c.architecture);
+  const ArchTraits* arch = find_architecture(c.architecture);
+  if (arch == nullptr)
+    fail(ErrorCode::bad_model_file, "{}: general.architecture: '{}' is not supported ({} are)", path, c.architecture,
+         supported_architectures());
   const std::string a = c.architecture + ".";
   c.name = f.find_string("general.name").value_or(c.architecture);
   c.n_layers = get_dim(f, a + "block_count", 1, 1024);
@@ -52,13 +68,21 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, MappedFile::Mod
   if (c.n_heads % c.n_kv_heads != 0)
     fail(ErrorCode::bad_model_file, "{}: head_count {} is not a multiple of head_count_kv {}", path, c.n_heads,
          c.n_kv_heads);
-  c.head_dim = c.d_model / c.n_heads;
+  // Qwen3 and Gemma heads are wider than d_model / n_heads: the file says so.
+  c.head_dim = f.has(a + "attention.key_length") ? get_dim(f, a + "attention.key_length", 2, 1024) : c.d_model / c.n_heads;
+  if (f.has(a + "attention.value_length") && f.get_int(a + "attention.value_length") != c.head_dim)
+    fail(ErrorCode::unsupported, "{}: {}attention.value_length {} != key_length {}", path, a,
+         f.get_int(a + "attention.value_length"), c.head_dim);
   if (auto rope_dims = f.find_int(a + "rope.dimension_count"); rope_dims && *rope_dims != c.head_dim)
     fail(ErrorCode::unsupported, "{}: {}rope.dimension_count {} != head size {} (partial RoPE is not supported)", path,
          a, *rope_dims, c.head_dim);
   if (c.head_dim % 2 != 0) fail(ErrorCode::bad_model_file, "{}: head size {} must be even for RoPE", path, c.head_dim);
-  c.rope_style = c.architecture == "qwen2" ? RopeStyle::neox : RopeStyle::interleaved;
-  c.qkv_bias = c.architecture == "qwen2";
+  c.rope_style = arch->rope;
+  c.qkv_bias = arch->qkv_bias;
+  c.qk_norm = arch->qk_norm;
+  if (f.find_tensor("rope_freqs.weight") != nullptr || f.find_tensor("rope_factors_long.weight") != nullptr)
+    fail(ErrorCode::unsupported, "{}: RoPE frequency factors (rope_freqs / rope_factors_*: Llama-3.1 or LongRoPE "
+         "scaling) are not supported", path);
 
   ModelWeights& w = model->weights_;
   w.token_embedding = f.tensor("token_embd.weight");
@@ -73,22 +97,37 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, MappedFile::Mod
     const std::string p = "blk." + std::to_string(l) + ".";
     LayerWeights lw;
     lw.attn_norm = f.tensor(p + "attn_norm.weight");
-    lw.wq = f.tensor(p + "attn_q.weight");
-    lw.wk = f.tensor(p + "attn_k.weight");
-    lw.wv = f.tensor(p + "attn_v.weight");
+    if (arch->fused_qkv) {
+      const TensorView& qkv = f.tensor(p + "attn_qkv.weight");
+      lw.wq = row_range(path, qkv, 0, c.q_dim(), p + "attn_qkv.weight[q]");
+      lw.wk = row_range(path, qkv, c.q_dim(), c.kv_dim(), p + "attn_qkv.weight[k]");
+      lw.wv = row_range(path, qkv, c.q_dim() + c.kv_dim(), c.kv_dim(), p + "attn_qkv.weight[v]");
+      const TensorView& gate_up = f.tensor(p + "ffn_up.weight");
+      lw.w_gate = row_range(path, gate_up, 0, c.d_ff, p + "ffn_up.weight[gate]");
+      lw.w_up = row_range(path, gate_up, c.d_ff, c.d_ff, p + "ffn_up.weight[up]");
+    } else {
+      lw.wq = f.tensor(p + "attn_q.weight");
+      lw.wk = f.tensor(p + "attn_k.weight");
+      lw.wv = f.tensor(p + "attn_v.weight");
+      lw.w_gate = f.tensor(p + "ffn_gate.weight");
+      lw.w_up = f.tensor(p + "ffn_up.weight");
+    }
     lw.wo = f.tensor(p + "attn_output.weight");
     lw.ffn_norm = f.tensor(p + "ffn_norm.weight");
-    lw.w_gate = f.tensor(p + "ffn_gate.weight");
-    lw.w_up = f.tensor(p + "ffn_up.weight");
     lw.w_down = f.tensor(p + "ffn_down.weight");
     if (c.qkv_bias) {
       lw.bq = f.tensor(p + "attn_q.bias");
       lw.bk = f.tensor(p + "attn_k.bias");
       lw.bv = f.tensor(p + "attn_v.bias");
     }
+    if (c.qk_norm) {
+      lw.q_norm = f.tensor(p + "attn_q_norm.weight");
+      lw.k_norm = f.tensor(p + "attn_k_norm.weight");
+    }
     w.layers.push_back(std::move(lw));
   }
   model->tokenizer_ = load_gguf_tokenizer(f);
+  model->chat_template_ = f.find_string("tokenizer.chat_template").value_or("");
   return model;
 }
 

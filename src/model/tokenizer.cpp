@@ -168,9 +168,10 @@ void Tokenizer::index_vocabulary() {
 
   eog_ids_.clear();
   if (eos_id_ >= 0) eog_ids_.push_back(eos_id_);
-  for (const char* text : {"<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"}) {
-    if (auto id = find(text)) eog_ids_.push_back(*id);
-  }
+  // Every chat family's end-of-turn tokens that this vocabulary has.
+  for (ChatFamily f : {ChatFamily::chatml, ChatFamily::llama3, ChatFamily::gemma, ChatFamily::phi3, ChatFamily::mistral})
+    for (std::string_view text : ChatTemplate(f).stop_pieces())
+      if (auto id = find(text)) eog_ids_.push_back(*id);
   std::sort(eog_ids_.begin(), eog_ids_.end());
   eog_ids_.erase(std::unique(eog_ids_.begin(), eog_ids_.end()), eog_ids_.end());
 }

@@ -14,7 +14,8 @@ constexpr Entry kTypes[] = {
     {3, {"Q4_1", 32, 20}},   {6, {"Q5_0", 32, 22}},    {7, {"Q5_1", 32, 24}},
     {8, {"Q8_0", 32, 34}},   {9, {"Q8_1", 32, 36}},    {10, {"Q2_K", 256, 84}},
     {11, {"Q3_K", 256, 110}}, {12, {"Q4_K", 256, 144}}, {13, {"Q5_K", 256, 176}},
-    {14, {"Q6_K", 256, 210}}, {15, {"Q8_K", 256, 292}}, {30, {"BF16", 1, 2}},
+    {14, {"Q6_K", 256, 210}}, {15, {"Q8_K", 256, 292}}, {20, {"IQ4_NL", 32, 18}},
+    {23, {"IQ4_XS", 256, 136}}, {30, {"BF16", 1, 2}},
 };
 }  // namespace
 
@@ -44,6 +45,14 @@ bool is_supported_weight_type(GgmlType type) noexcept {
     case GgmlType::Q4_0:
     case GgmlType::Q4_1:
     case GgmlType::Q6_K:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::IQ4_NL:
+    case GgmlType::IQ4_XS:
       return true;
     default:
       return false;

@@ -42,7 +42,7 @@ check "bench skips depths beyond the context" "$CLI" bench -m "$M" -r 1 -p 8 -n 
 
 expect_error "unknown shape 'nope'" make-model --shape nope -o "$tmp/x.gguf"
 expect_error "known: smollm2-135m" make-model --shape nope -o "$tmp/x.gguf"
-expect_error "--type: 'Q5_K'" make-model --shape tiny-llama --type Q5_K -o "$tmp/x.gguf"
+expect_error "--type: 'Q8_K'" make-model --shape tiny-llama --type Q8_K -o "$tmp/x.gguf"
 expect_error "--shape is required" make-model -o "$tmp/x.gguf"
 expect_error "-o/--output is required" make-model --shape tiny-llama
 expect_error "block size" make-model --shape tiny-llama --d-model 48 --heads 4 -o "$tmp/x.gguf"

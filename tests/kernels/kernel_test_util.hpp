@@ -41,7 +41,19 @@ struct IsaGuard {
 };
 
 inline bool quantizes_activations(GgmlType t) {
-  return t == GgmlType::Q8_0 || t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q6_K;
+  return t != GgmlType::F32 && t != GgmlType::F16 && t != GgmlType::BF16;
+}
+
+// Every block-quantized weight type the kernels multiply.
+inline constexpr GgmlType kBlockTypes[] = {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q6_K,
+                                           GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q2_K, GgmlType::Q3_K,
+                                           GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS};
+
+// `blocks32` blocks of 32 values, rounded up to whole super-blocks for the 256-value types.
+inline std::int64_t cols_of(GgmlType t, std::int64_t blocks32) {
+  const std::int64_t bs = type_traits(t).block_size;
+  const std::int64_t n = 32 * blocks32;
+  return bs <= 1 ? n : (n + bs - 1) / bs * bs;
 }
 
 // A weight matrix that owns its bytes.
@@ -49,22 +61,22 @@ struct Weights {
   std::vector<std::uint8_t> bytes;
   TensorView view;
   std::vector<float> dequant;  // rows x cols, what the reference multiplies
-  // |w| as the kernels' f32 arithmetic sees it: Q4_1 scales q * d and m
-  // separately, so its rounding follows |q d| + |m|, not |q d + m|.
+  // |w| as the kernels' f32 arithmetic sees it: the types with a minimum
+  // scale q * d and m separately, so rounding follows |q d| + |m|, not |q d + m|.
   std::vector<float> magnitude;
   void refresh() {
     const std::int64_t rows = view.rows(), cols = view.cols();
     dequant.resize(static_cast<std::size_t>(rows * cols));
     magnitude.resize(dequant.size());
     for (std::int64_t r = 0; r < rows; ++r) dequantize_row(view, r, dequant.data() + r * cols);
-    for (std::size_t i = 0; i < dequant.size(); ++i) magnitude[i] = std::fabs(dequant[i]);
-    if (view.type != GgmlType::Q4_1) return;
-    const auto* blocks = reinterpret_cast<const BlockQ4_1*>(bytes.data());
-    for (std::size_t i = 0; i < dequant.size(); ++i) {
-      const BlockQ4_1& b = blocks[i / kQK];
-      const int j = static_cast<int>(i % kQK);
-      const int q = j < kQK / 2 ? (b.qs[j] & 0x0f) : (b.qs[j - kQK / 2] >> 4);
-      magnitude[i] = std::fabs(fp16_to_fp32(b.d)) * static_cast<float>(q) + std::fabs(fp16_to_fp32(b.m));
+    std::vector<float> min(static_cast<std::size_t>(cols));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      dequantize_row_min_ref(view.type, view.row(r), min.data(), cols);
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const auto i = static_cast<std::size_t>(r * cols + c);
+        const float m = min[static_cast<std::size_t>(c)];
+        magnitude[i] = std::fabs(dequant[i] - m) + std::fabs(m);
+      }
     }
   }
 };
@@ -109,6 +121,23 @@ inline void randomize_codes(Weights& w, float scale, std::mt19937& rng) {
         put_f16(blk + 2, -8.0f * s(rng));
         break;
       case GgmlType::Q6_K: put_f16(blk + offsetof(BlockQ6_K, d), s(rng) / 64.0f); break;
+      case GgmlType::Q5_0:
+      case GgmlType::IQ4_NL: put_f16(blk, s(rng)); break;
+      case GgmlType::Q5_1:
+        put_f16(blk, s(rng));
+        put_f16(blk + 2, -16.0f * s(rng));
+        break;
+      case GgmlType::Q2_K:
+        put_f16(blk + offsetof(BlockQ2_K, d), s(rng) / 16.0f);
+        put_f16(blk + offsetof(BlockQ2_K, dmin), s(rng) / 16.0f);
+        break;
+      case GgmlType::Q3_K: put_f16(blk + offsetof(BlockQ3_K, d), s(rng) / 32.0f); break;
+      case GgmlType::Q4_K:
+      case GgmlType::Q5_K:  // d and dmin first in both
+        put_f16(blk, s(rng) / 64.0f);
+        put_f16(blk + 2, s(rng) / 64.0f);
+        break;
+      case GgmlType::IQ4_XS: put_f16(blk, s(rng) / 32.0f); break;
       default: FAIL() << "randomize_codes: not a block type";
     }
   }

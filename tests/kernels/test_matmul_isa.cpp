@@ -13,17 +13,14 @@
 namespace qkvshare::kernels::testing {
 namespace {
 
-const GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
-                              GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q6_K};
+const GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,   GgmlType::Q4_0,
+                              GgmlType::Q4_1, GgmlType::Q6_K, GgmlType::Q5_0, GgmlType::Q5_1,   GgmlType::Q2_K,
+                              GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS};
 
 std::vector<std::int64_t> cols_for(GgmlType type) {
-  switch (type) {
-    case GgmlType::Q6_K: return {256, 768};
-    case GgmlType::Q8_0:
-    case GgmlType::Q4_0:
-    case GgmlType::Q4_1: return {32, 96, 576};  // 96: an odd number of blocks (AVX-512 pairs them)
-    default: return {1, 7, 17, 172, 576};       // 172: stories260K's hidden size
-  }
+  if (!quantizes_activations(type)) return {1, 7, 17, 172, 576};  // 172: stories260K's hidden size
+  if (type_traits(type).block_size == kQK_K) return {256, 768};
+  return {32, 96, 576};  // 96: an odd number of blocks (AVX-512 pairs them)
 }
 
 // Runs matmul at every level and checks each output.
@@ -89,7 +86,7 @@ TEST(MatmulIsa, ExactMatmulIsTheReferenceOnEveryThreadCount) {
 TEST(MatmulIsa, BatchLargerThanATokenChunk) {
   std::mt19937 rng(7);
   for (GgmlType type : kAllTypes) {
-    const std::int64_t cols = type == GgmlType::Q6_K ? 256 : 64, rows = 37, tokens = 70;
+    const std::int64_t cols = quantizes_activations(type) ? cols_of(type, 2) : 64, rows = 37, tokens = 70;
     const Weights w = make_weights(type, rows, cols, normal(static_cast<std::size_t>(rows * cols), 1.0f, rng));
     check_all_isas(w, normal(static_cast<std::size_t>(tokens * cols), 1.0f, rng), tokens,
                    shape_name(type, rows, cols, tokens));
@@ -99,8 +96,8 @@ TEST(MatmulIsa, BatchLargerThanATokenChunk) {
 // Codes over their whole range (Q8_0's -128, every nibble and 6-bit value).
 TEST(MatmulIsa, RandomCodesOverTheFullRange) {
   std::mt19937 rng(3);
-  for (GgmlType type : {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q6_K}) {
-    const std::int64_t cols = type == GgmlType::Q6_K ? 512 : 160, rows = 9;
+  for (GgmlType type : kBlockTypes) {
+    const std::int64_t cols = cols_of(type, 5) == 160 ? 160 : 512, rows = 9;
     Weights w = make_weights(type, rows, cols, std::vector<float>(static_cast<std::size_t>(rows * cols), 0.0f));
     randomize_codes(w, 0.05f, rng);
     check_all_isas(w, normal(static_cast<std::size_t>(3 * cols), 2.0f, rng), 3, shape_name(type, rows, cols, 3));
@@ -111,7 +108,7 @@ TEST(MatmulIsa, ZerosGiveExactZeros) {
   std::mt19937 rng(5);
   ThreadPool pool(2);
   for (GgmlType type : kAllTypes) {
-    const std::int64_t cols = type == GgmlType::Q6_K ? 256 : 96, rows = 6, tokens = 3;
+    const std::int64_t cols = quantizes_activations(type) ? cols_of(type, 3) : 96, rows = 6, tokens = 3;
     const Weights zero_w = make_weights(type, rows, cols, std::vector<float>(static_cast<std::size_t>(rows * cols), 0.0f));
     const Weights rand_w = make_weights(type, rows, cols, normal(static_cast<std::size_t>(rows * cols), 1.0f, rng));
     const auto rand_x = normal(static_cast<std::size_t>(tokens * cols), 1.0f, rng);
@@ -137,11 +134,15 @@ TEST(MatmulIsa, MagnitudeEdgeCases) {
   };
   for (GgmlType type : kAllTypes) {
     // The largest weights whose f16 values or block scales stay finite.
-    const float big = type == GgmlType::F16 ? 1e3f : (type == GgmlType::Q4_0 || type == GgmlType::Q4_1 ? 1e4f : 1e6f);
+    const bool f16_scale_x_codes = type == GgmlType::Q4_0 || type == GgmlType::Q4_1 || type == GgmlType::Q5_0 ||
+                                   type == GgmlType::Q5_1 || type == GgmlType::IQ4_NL;
+    // K-quant super-block scales are the largest group scale / 63 or less: f16 holds less.
+    const bool kquant = type_traits(type).block_size == kQK_K && type != GgmlType::Q6_K;
+    const float big = type == GgmlType::F16 ? 1e3f : (f16_scale_x_codes ? 1e4f : (kquant ? 1e3f : 1e6f));
     const bool half = type == GgmlType::F16;
     for (const Scale s : {Scale{big, 1e15f}, Scale{1.0f, 1e-25f}, Scale{1.0f, 1e-31f},
                           Scale{1e-6f, 1.0f}, Scale{half ? 1e-6f : 1e-30f, 1e-3f}}) {
-      const std::int64_t cols = type == GgmlType::Q6_K ? 256 : 160, rows = 7, tokens = 3;
+      const std::int64_t cols = cols_of(type, 5) == 160 ? 160 : 256, rows = 7, tokens = 3;
       const Weights w = make_weights(type, rows, cols, normal(static_cast<std::size_t>(rows * cols), s.w, rng));
       auto x = normal(static_cast<std::size_t>(tokens * cols), s.x, rng);
       x[5] *= 50.0f;  // an outlier that sets its block's scale
@@ -184,7 +185,7 @@ TEST(MatmulIsa, BatchedTokensGiveTheBitsOfSingleTokens) {
   std::mt19937 rng(19);
   ThreadPool pool(2);
   for (GgmlType type : kAllTypes) {
-    const std::int64_t cols = type == GgmlType::Q6_K ? 512 : (quantizes_activations(type) ? 96 : 103);
+    const std::int64_t cols = quantizes_activations(type) ? cols_of(type, 3) == 96 ? 96 : 512 : 103;
     const std::int64_t rows = 13, tokens = 70;
     const Weights w = make_weights(type, rows, cols, normal(static_cast<std::size_t>(rows * cols), 1.0f, rng));
     const auto x = normal(static_cast<std::size_t>(tokens * cols), 1.0f, rng);
@@ -199,11 +200,11 @@ TEST(MatmulIsa, BatchedTokensGiveTheBitsOfSingleTokens) {
 }
 
 TEST(MatmulIsa, RejectsUnsupportedTypesAndForcedUnavailableLevels) {
-  std::vector<std::uint8_t> bytes(22 * 4);
+  std::vector<std::uint8_t> bytes(292 * 4);
   TensorView w;
-  w.type = GgmlType::Q5_0;
+  w.type = GgmlType::Q8_K;  // a known type without a matmul kernel
   w.n_dims = 2;
-  w.ne = {32, 4, 1, 1};
+  w.ne = {256, 4, 1, 1};
   w.data = bytes.data();
   w.nbytes = bytes.size();
   std::vector<float> x(32), y(4);

@@ -221,11 +221,11 @@ TEST(GgufBadFile, UnknownTensorType) {
 
 TEST(GgufBadFile, KnownButUnsupportedTensorTypeStillLoads) {
   GgufWriter w;
-  w.add_tensor("k", GgmlType::Q5_K, {256, 2}, std::vector<std::uint8_t>(2 * 176));
-  const std::string path = testing::gguf_temp_path("q5k.gguf");
+  w.add_tensor("k", GgmlType::Q8_K, {256, 2}, std::vector<std::uint8_t>(2 * 292));
+  const std::string path = testing::gguf_temp_path("q8k.gguf");
   testing::write_bytes(path, w.to_bytes());
   const auto f = GgufFile::open(path);
-  EXPECT_EQ(f->tensor("k").type, GgmlType::Q5_K);
+  EXPECT_EQ(f->tensor("k").type, GgmlType::Q8_K);
   EXPECT_FALSE(is_supported_weight_type(f->tensor("k").type));
 }
 

@@ -119,6 +119,7 @@ struct TinyGguf {
   std::map<std::string, double> overrides;  // replaces the value of a numeric key
   std::string skip_tensor;
   std::string bad_shape_tensor;
+  std::string chat_template;  // tokenizer.chat_template when set
 
   std::string write(const std::string& name) const {
     GgufWriter w;
@@ -159,6 +160,7 @@ struct TinyGguf {
     w.set_i32_array("tokenizer.ggml.token_type", types);
     w.set_u32("tokenizer.ggml.bos_token_id", 1);
     w.set_u32("tokenizer.ggml.eos_token_id", 2);
+    if (!chat_template.empty()) w.set_string("tokenizer.chat_template", chat_template);
 
     std::mt19937 rng(7);
     std::normal_distribution<float> dist(0.0f, 0.1f);
@@ -206,11 +208,40 @@ TEST(GgufModel, TinyModelLoadsForEveryWeightType) {
     EXPECT_EQ(m->config().head_dim, 8);
     EXPECT_EQ(m->weights().output.name, "token_embd.weight");  // tied
   }
-  TinyGguf k;  // Q6_K needs rows of 256
-  k.d = 256;
-  k.ff = 512;
-  k.matrix_type = GgmlType::Q6_K;
-  EXPECT_NO_THROW(Model::load(k.write("q6k.gguf")));
+  for (GgmlType t : {GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::IQ4_NL}) {
+    TinyGguf g;
+    g.matrix_type = t;
+    EXPECT_NO_THROW(Model::load(g.write("tiny32.gguf"))) << type_name(t);
+  }
+  for (GgmlType t : {GgmlType::Q6_K, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::IQ4_XS}) {
+    TinyGguf k;  // k-quants need rows of 256
+    k.d = 256;
+    k.ff = 512;
+    k.matrix_type = t;
+    EXPECT_NO_THROW(Model::load(k.write("tiny256.gguf"))) << type_name(t);
+  }
+}
+
+TEST(GgufModel, ChatTemplateFromTheFileOrAFlag) {
+  TinyGguf none;
+  EXPECT_EQ(Model::load(none.write("none.gguf"))->chat_template().family(), ChatFamily::plain);  // no template, no ChatML tokens
+  TinyGguf llama3;
+  llama3.chat_template = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}";
+  const auto m = Model::load(llama3.write("llama3.gguf"));
+  EXPECT_EQ(m->chat_template().family(), ChatFamily::llama3);
+  EXPECT_EQ(m->chat_template("gemma").family(), ChatFamily::gemma);  // the flag wins
+  TinyGguf odd;
+  odd.chat_template = "{{ message.content }}### Response:";
+  const auto o = Model::load(odd.write("odd.gguf"));
+  EXPECT_EQ(o->chat_template("chatml").family(), ChatFamily::chatml);
+  try {
+    (void)o->chat_template();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    for (const char* part : {"odd.gguf", "tokenizer.chat_template", "--chat-template"})
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
 }
 
 TEST(GgufModel, UnsupportedArchitectureIsNamed) {

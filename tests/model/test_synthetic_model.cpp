@@ -69,13 +69,18 @@ TEST(SyntheticShapes, NamedShapesHaveTheRealModelsDimensions) {
   EXPECT_EQ(l.n_kv_heads, 8);
   EXPECT_EQ(l.rope_theta, 500000.0f);
   EXPECT_NEAR(static_cast<double>(l.n_params()), 1.236e9, 1e7);
+  const SyntheticShape& q3 = find_synthetic_shape("qwen3-0.6b");  // 596M parameters with the tied embedding
+  EXPECT_EQ(q3.head_dim(), 128);
+  EXPECT_NEAR(static_cast<double>(q3.n_params()), 596e6, 2e6);
   for (const SyntheticShape& shape : synthetic_shapes())
     for (const GgmlType t : {GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0}) EXPECT_NO_THROW(validate_shape(shape, t));
 }
 
 TEST(SyntheticShapes, BadNamesTypesAndShapesAreClearErrors) {
   expect_error([] { find_synthetic_shape("gpt-5"); }, ErrorCode::invalid_argument, "known: smollm2-135m");
-  expect_error([] { parse_synthetic_type("Q5_K"); }, ErrorCode::invalid_argument, "F16, Q8_0, Q4_0");
+  expect_error([] { parse_synthetic_type("Q8_K"); }, ErrorCode::invalid_argument, "F16, BF16, Q8_0, Q4_0");
+  EXPECT_EQ(parse_synthetic_type("q4_k"), GgmlType::Q4_K);
+  EXPECT_EQ(parse_synthetic_type("IQ4_XS"), GgmlType::IQ4_XS);
   EXPECT_EQ(parse_synthetic_type("q4_0"), GgmlType::Q4_0);
   SyntheticShape s = find_synthetic_shape("tiny-llama");
   s.d_model = 48;  // 4 heads of 12: fine for F16, not a multiple of the 32-wide Q8_0 block
@@ -85,9 +90,9 @@ TEST(SyntheticShapes, BadNamesTypesAndShapesAreClearErrors) {
   s.n_kv_heads = 3;
   expect_error([&] { validate_shape(s, GgmlType::F16); }, ErrorCode::invalid_argument, "KV heads");
   const std::string path = testing::temp_dir() + "/never.gguf";
-  SyntheticOptions bf16;
-  bf16.type = GgmlType::BF16;
-  expect_error([&] { write_synthetic_model(find_synthetic_shape("tiny-llama"), bf16, path); },
+  SyntheticOptions q8k;
+  q8k.type = GgmlType::Q8_K;  // a known type make-model does not write
+  expect_error([&] { write_synthetic_model(find_synthetic_shape("tiny-llama"), q8k, path); },
                ErrorCode::invalid_argument, "--type");
 }
 
@@ -138,7 +143,9 @@ INSTANTIATE_TEST_SUITE_P(SyntheticTypes, SyntheticModelLoad,
                                            std::tuple{"tiny-llama", GgmlType::Q4_0},
                                            std::tuple{"tiny-llama", GgmlType::F16},
                                            std::tuple{"tiny-qwen2", GgmlType::Q8_0},
-                                           std::tuple{"tiny-qwen2", GgmlType::Q4_0}));
+                                           std::tuple{"tiny-qwen2", GgmlType::Q4_0},
+                                           std::tuple{"tiny-qwen3", GgmlType::Q4_K},
+                                           std::tuple{"tiny-phi3", GgmlType::Q5_K}));
 
 TEST(SyntheticModel, SameSeedSameBytesAtAnyThreadCount) {
   const std::string dir = testing::temp_dir();

@@ -3,6 +3,7 @@
 Paths come from the environment, mirroring tests/test_paths.cpp:
   QKVSHARE_CLI     the built `qkvshare` binary (required for tests that run it;
                    e.g. build/src/cli/qkvshare). Unset: those tests are skipped, loudly.
+  QKVSHARE_DEQUANT_TOOL  the built tests/reference/dequant_tool.cpp (dequantization tests).
   QKVSHARE_MODEL   SmolLM2-135M-Instruct GGUF; else $QKVSHARE_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf,
                    else ~/.cache/qkvshare/models/SmolLM2-135M-Instruct.Q4_1.gguf.
   QKVSHARE_SHARED  the read-only shared folder (models/, data/); default <repo>/../shared.
@@ -83,6 +84,19 @@ def cli(request) -> Path:
     if not (p.is_file() and os.access(p, os.X_OK)):
         # The variable was set on purpose: a wrong path is an error, not a skip.
         pytest.fail(f"QKVSHARE_CLI={env} is not an executable file")
+    return p
+
+
+@pytest.fixture(scope="session")
+def dequant_tool(request) -> Path:
+    """tests/reference/dequant_tool.cpp: the scalar reference dequantization of raw blocks."""
+    env = os.environ.get("QKVSHARE_DEQUANT_TOOL")
+    if not env:
+        _loud_skip(request, "qkvshare_dequant_tool",
+                   "set QKVSHARE_DEQUANT_TOOL to the built helper (e.g. build/tests/qkvshare_dequant_tool)")
+    p = Path(env)
+    if not (p.is_file() and os.access(p, os.X_OK)):
+        pytest.fail(f"QKVSHARE_DEQUANT_TOOL={env} is not an executable file")
     return p
 
 

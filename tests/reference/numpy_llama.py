@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Independent NumPy reference forward pass for Llama-architecture models.
+"""Independent NumPy reference forward pass for Llama-architecture models
+(llama, and the qwen2 / qwen3 / phi3 variants).
 
 Shares no code with the C++ engine: GGUF files are parsed with the PyPI
 `gguf` package (`gguf.GGUFReader`) and tensors are dequantized with
@@ -57,6 +58,12 @@ class Config:
     rope_theta: float
     rms_eps: float
     max_seq_len: int
+    # Architecture variants (GGUF general.architecture), from the model
+    # definitions: qwen2 adds q/k/v biases; qwen2, qwen3 and phi3 rotate the
+    # two halves of a head (NeoX RoPE) instead of adjacent pairs; qwen3
+    # RMS-normalises each head of q and k (own weights) before RoPE.
+    arch: str = "llama"
+    neox_rope: bool = False
 
 
 @dataclass
@@ -70,6 +77,11 @@ class Layer:
     w_gate: np.ndarray  # [hidden, dim]  (llama2.c w1)
     w_down: np.ndarray  # [dim, hidden]  (llama2.c w2)
     w_up: np.ndarray  # [hidden, dim]    (llama2.c w3)
+    bq: np.ndarray | None = None  # qwen2 biases
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # qwen3 per-head RMSNorm weights [head_dim]
+    k_norm: np.ndarray | None = None
 
 
 class KVCache:
@@ -136,16 +148,21 @@ class Model:
         return x / np.sqrt(ms + self.cfg.rms_eps) * w
 
     def _rope(self, x, positions):
-        # x: [n, heads, head_dim]; rotate adjacent pairs of the first rope_dim dims.
+        # x: [n, heads, head_dim]; rotate pairs of the first rope_dim dims:
+        # adjacent (2i, 2i+1), or (i, i + rope_dim/2) for NeoX-style models.
         rd = self.cfg.rope_dim
         ang = positions.astype(self.dtype)[:, None] * self._inv_freq[None, :]  # [n, rd/2]
         cos = np.cos(ang)[:, None, :]
         sin = np.sin(ang)[:, None, :]
         out = x.copy()
-        x0 = x[..., 0:rd:2]
-        x1 = x[..., 1:rd:2]
-        out[..., 0:rd:2] = x0 * cos - x1 * sin
-        out[..., 1:rd:2] = x0 * sin + x1 * cos
+        if self.cfg.neox_rope:
+            i0, i1 = slice(0, rd // 2), slice(rd // 2, rd)
+        else:
+            i0, i1 = slice(0, rd, 2), slice(1, rd, 2)
+        x0 = x[..., i0]
+        x1 = x[..., i1]
+        out[..., i0] = x0 * cos - x1 * sin
+        out[..., i1] = x0 * sin + x1 * cos
         return out
 
     def _mm(self, x, w):
@@ -190,9 +207,12 @@ class Model:
         x = self.tok_embd[ids].astype(self.dtype, copy=True)  # [n, dim]
         for li, L in enumerate(self.layers):
             h = self._rmsnorm(x, L.attn_norm)
-            q = self._mm(h, L.wq).reshape(n, H, hd)
-            k = self._mm(h, L.wk).reshape(n, Hkv, hd)
-            v = self._mm(h, L.wv).reshape(n, Hkv, hd)
+            q, k, v = self._mm(h, L.wq), self._mm(h, L.wk), self._mm(h, L.wv)
+            if L.bq is not None:
+                q, k, v = q + L.bq, k + L.bk, v + L.bv
+            q, k, v = q.reshape(n, H, hd), k.reshape(n, Hkv, hd), v.reshape(n, Hkv, hd)
+            if L.q_norm is not None:
+                q, k = self._rmsnorm(q, L.q_norm), self._rmsnorm(k, L.k_norm)
             q = self._rope(q, positions)
             k = self._rope(k, positions)
             if cache.k[li] is None:
@@ -259,8 +279,8 @@ def load_gguf(path, dtype=DTYPE) -> Model:
 
     r = gguf.GGUFReader(str(path))
     arch = _field(r, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: architecture {arch!r}, only 'llama' supported")
+    if arch not in ("llama", "qwen2", "qwen3", "phi3"):
+        raise ValueError(f"{path}: architecture {arch!r}, only llama, qwen2, qwen3, phi3 supported")
     tensors = {t.name: t for t in r.tensors}
     if "rope_freqs.weight" in tensors:
         raise NotImplementedError("rope_freqs (Llama-3.1 rope scaling) not supported")
@@ -273,37 +293,54 @@ def load_gguf(path, dtype=DTYPE) -> Model:
         a = np.asarray(a).reshape(shape)
         return a.astype(dtype)
 
-    n_heads = int(_field(r, "llama.attention.head_count"))
-    dim = int(_field(r, "llama.embedding_length"))
-    head_dim = int(_field(r, "llama.attention.key_length", dim // n_heads))
+    a = arch + "."
+    n_heads = int(_field(r, a + "attention.head_count"))
+    dim = int(_field(r, a + "embedding_length"))
+    head_dim = int(_field(r, a + "attention.key_length", dim // n_heads))
     tok_embd = get("token_embd.weight")
+    n_kv_heads = int(_field(r, a + "attention.head_count_kv", n_heads))
+    hidden = int(_field(r, a + "feed_forward_length"))
     cfg = Config(
         dim=dim,
-        hidden_dim=int(_field(r, "llama.feed_forward_length")),
-        n_layers=int(_field(r, "llama.block_count")),
+        hidden_dim=hidden,
+        n_layers=int(_field(r, a + "block_count")),
         n_heads=n_heads,
-        n_kv_heads=int(_field(r, "llama.attention.head_count_kv", n_heads)),
+        n_kv_heads=n_kv_heads,
         vocab_size=int(tok_embd.shape[0]),
         head_dim=head_dim,
-        rope_dim=int(_field(r, "llama.rope.dimension_count", head_dim)),
-        rope_theta=float(_field(r, "llama.rope.freq_base", 10000.0)),
-        rms_eps=float(_field(r, "llama.attention.layer_norm_rms_epsilon")),
-        max_seq_len=int(_field(r, "llama.context_length", 2048)),
+        rope_dim=int(_field(r, a + "rope.dimension_count", head_dim)),
+        rope_theta=float(_field(r, a + "rope.freq_base", 10000.0)),
+        rms_eps=float(_field(r, a + "attention.layer_norm_rms_epsilon")),
+        max_seq_len=int(_field(r, a + "context_length", 2048)),
+        arch=arch,
+        neox_rope=arch in ("qwen2", "qwen3", "phi3"),
     )
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        layers.append(Layer(
+        if arch == "phi3":  # one fused Q|K|V matrix; ffn_up holds gate then up
+            qkv = get(p + "attn_qkv.weight")
+            qd, kvd = n_heads * head_dim, n_kv_heads * head_dim
+            wq, wk, wv = qkv[:qd], qkv[qd:qd + kvd], qkv[qd + kvd:]
+            gate_up = get(p + "ffn_up.weight")
+            w_gate, w_up = gate_up[:hidden], gate_up[hidden:]
+        else:
+            wq, wk, wv = get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")
+            w_gate, w_up = get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")
+        layer = Layer(
             attn_norm=get(p + "attn_norm.weight"),
-            wq=get(p + "attn_q.weight"),
-            wk=get(p + "attn_k.weight"),
-            wv=get(p + "attn_v.weight"),
+            wq=wq, wk=wk, wv=wv,
             wo=get(p + "attn_output.weight"),
             ffn_norm=get(p + "ffn_norm.weight"),
-            w_gate=get(p + "ffn_gate.weight"),
+            w_gate=w_gate,
             w_down=get(p + "ffn_down.weight"),
-            w_up=get(p + "ffn_up.weight"),
-        ))
+            w_up=w_up,
+        )
+        if arch == "qwen2":
+            layer.bq, layer.bk, layer.bv = (get(p + f"attn_{x}.bias") for x in "qkv")
+        if arch == "qwen3":
+            layer.q_norm, layer.k_norm = get(p + "attn_q_norm.weight"), get(p + "attn_k_norm.weight")
+        layers.append(layer)
     tied = "output.weight" not in tensors
     output = tok_embd if tied else get("output.weight")
     return Model(cfg, tok_embd, layers, get("output_norm.weight"), output, tied)

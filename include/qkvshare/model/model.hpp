@@ -16,7 +16,7 @@ namespace qkvshare {
 class GgufFile;
 
 struct ModelConfig {
-  std::string architecture;  // "llama", "qwen2"
+  std::string architecture;  // general.architecture (model/architecture.hpp lists them)
   std::string name;
   int n_layers = 0;
   int d_model = 0;
@@ -30,6 +30,7 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   RopeStyle rope_style = RopeStyle::interleaved;
   bool qkv_bias = false;
+  bool qk_norm = false;  // RMSNorm of each q and k head before RoPE (qwen3)
 
   int q_dim() const noexcept { return n_heads * head_dim; }
   int kv_dim() const noexcept { return n_kv_heads * head_dim; }
@@ -38,6 +39,7 @@ struct ModelConfig {
 struct LayerWeights {
   TensorView attn_norm, wq, wk, wv, wo;
   std::optional<TensorView> bq, bk, bv;  // qwen2
+  std::optional<TensorView> q_norm, k_norm;  // qwen3: [head_dim]
   TensorView ffn_norm, w_gate, w_up, w_down;
 };
 
@@ -62,6 +64,14 @@ class Model {
   const Tokenizer& tokenizer() const noexcept { return *tokenizer_; }
   const std::string& path() const noexcept { return path_; }
   const std::string& format() const noexcept { return format_; }  // "gguf" or "llama2c"
+  // The Jinja source of tokenizer.chat_template ("" when the file has none).
+  const std::string& chat_template_source() const noexcept { return chat_template_; }
+  // The chat template to use: the family named by `name` when given, else the
+  // one recognised in tokenizer.chat_template, else ChatML when the vocabulary
+  // has <|im_start|>, else plain lines (llama2.c models). Throws
+  // Error(unsupported) naming the file and key when the file's template is not
+  // recognised, Error(invalid_argument) for an unknown name.
+  ChatTemplate chat_template(std::string_view name = {}, bool thinking = true) const;
   // Bytes of weight data the forward pass reads per token.
   std::size_t weight_bytes() const noexcept;
 
@@ -77,6 +87,7 @@ class Model {
   ModelConfig config_;
   ModelWeights weights_;
   std::unique_ptr<Tokenizer> tokenizer_;
+  std::string chat_template_;
   std::unique_ptr<GgufFile> gguf_;
   MappedFile llama2c_file_;
 };

@@ -19,7 +19,7 @@ namespace qkvshare {
 
 struct SyntheticShape {
   std::string name;
-  std::string architecture = "llama";  // "llama" or "qwen2" (q/k/v biases, NeoX RoPE)
+  std::string architecture = "llama";  // "llama", "qwen2" (q/k/v biases), "qwen3" (q/k norms), "phi3" (fused)
   int n_layers = 0;
   int d_model = 0;
   int n_heads = 0;
@@ -34,13 +34,15 @@ struct SyntheticShape {
   // engine and llama.cpp know ("smollm", "qwen2", "llama-bpe"; llama.cpp has no "gpt2").
   std::string pre = "smollm";
 
-  int head_dim() const noexcept { return n_heads > 0 ? d_model / n_heads : 0; }
+  int head_size = 0;  // 0: d_model / n_heads; else written as attention.key_length (Qwen3's wider heads)
+
+  int head_dim() const noexcept { return head_size > 0 ? head_size : (n_heads > 0 ? d_model / n_heads : 0); }
   // Parameters of all weight tensors (norms and biases included).
   std::int64_t n_params() const noexcept;
 };
 
-// The built-in shapes: smollm2-135m, qwen2.5-0.5b, llama3.2-1b, and the tiny
-// tiny-llama / tiny-qwen2 used by tests.
+// The built-in shapes: smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, llama3.2-1b,
+// phi3-mini, and the tiny tiny-llama / tiny-qwen2 / tiny-qwen3 / tiny-phi3 used by tests.
 const std::vector<SyntheticShape>& synthetic_shapes();
 // Throws Error(invalid_argument) naming the known shapes when `name` is none of them.
 const SyntheticShape& find_synthetic_shape(std::string_view name);

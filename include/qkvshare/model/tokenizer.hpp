@@ -17,6 +17,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "qkvshare/model/chat_template.hpp"  // ChatMessage, format_chatml
+
 namespace qkvshare {
 
 class GgufFile;
@@ -92,12 +94,5 @@ std::unique_ptr<Tokenizer> load_llama2c_tokenizer(const std::string& path, int v
 // Throws Error(bad_tokenizer) naming the file, key and reason.
 std::unique_ptr<Tokenizer> load_gguf_tokenizer(const GgufFile& gguf);
 
-// ChatML (SmolLM2, Qwen2): "<|im_start|>role\ncontent<|im_end|>\n" per turn,
-// then "<|im_start|>assistant\n" when add_generation_prompt.
-struct ChatMessage {
-  std::string role;
-  std::string content;
-};
-std::string format_chatml(std::span<const ChatMessage> messages, bool add_generation_prompt);
 
 }  // namespace qkvshare

@@ -27,6 +27,8 @@ enum class GgmlType : std::uint32_t {
   Q5_K = 13,
   Q6_K = 14,
   Q8_K = 15,
+  IQ4_NL = 20,
+  IQ4_XS = 23,
   BF16 = 30,
 };
 
