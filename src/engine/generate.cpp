@@ -19,22 +19,24 @@ std::string_view to_string(StopReason reason) noexcept {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double now_seconds() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
+
+}  // namespace
 
 // Holds back the tail of the text that could still grow into a stop string.
-class StopStringFilter {
+class Generation::StopFilter {
  public:
-  StopStringFilter(const std::vector<std::string>& stops, const std::function<void(std::string_view)>& sink)
-      : stops_(stops), sink_(sink) {}
+  explicit StopFilter(const std::vector<std::string>& stops) : stops_(stops) {}
 
-  // Returns true when a stop string was found; text before it is emitted.
-  bool push(std::string_view piece, std::string& accepted) {
+  // Returns true when a stop string was found; text before it is appended
+  // to `accepted` and `released`.
+  bool push(std::string_view piece, std::string& accepted, std::string& released) {
     pending_ += piece;
     std::size_t cut = std::string::npos;
     for (const auto& s : stops_)
       if (!s.empty()) cut = std::min(cut, pending_.find(s));
     if (cut != std::string::npos) {
-      emit(pending_.substr(0, cut), accepted);
+      emit(pending_.substr(0, cut), accepted, released);
       pending_.clear();
       return true;
     }
@@ -45,69 +47,89 @@ class StopStringFilter {
           hold = k;
           break;
         }
-    emit(pending_.substr(0, pending_.size() - hold), accepted);
+    emit(pending_.substr(0, pending_.size() - hold), accepted, released);
     pending_.erase(0, pending_.size() - hold);
     return false;
   }
-  void flush(std::string& accepted) {
-    emit(pending_, accepted);
+  void flush(std::string& accepted, std::string& released) {
+    emit(pending_, accepted, released);
     pending_.clear();
   }
 
  private:
-  void emit(std::string_view text, std::string& accepted) {
-    if (text.empty()) return;
+  static void emit(std::string_view text, std::string& accepted, std::string& released) {
     accepted += text;
-    if (sink_) sink_(text);
+    released += text;
   }
   const std::vector<std::string>& stops_;
-  const std::function<void(std::string_view)>& sink_;
   std::string pending_;
 };
 
-}  // namespace
+Generation::Generation(Engine& engine, Session& session, std::span<const TokenId> prompt,
+                       const GenerateOptions& options)
+    : engine_(engine), session_(session), options_(options), sampler_(options.sampling) {
+  if (options_.max_new_tokens < 0)
+    fail(ErrorCode::invalid_argument, "max new tokens must be >= 0, got {}", options_.max_new_tokens);
+  if (prompt.empty()) fail(ErrorCode::invalid_argument, "generate: the prompt has no tokens");
+  filter_ = std::make_unique<StopFilter>(options_.stop_strings);
+  limit_ = std::min(engine.model().config().context_length, session.cache().capacity());
+  const double t0 = now_seconds();
+  logits_ = engine.forward(session, prompt);
+  result_.prefill_tokens = static_cast<int>(prompt.size());
+  result_.prefill_seconds = now_seconds() - t0;
+  decode_start_ = now_seconds();
+  prev_ = session.tokens().back();
+  if (options_.max_new_tokens == 0) finish(StopReason::max_tokens);
+}
+
+Generation::~Generation() = default;
+
+void Generation::finish(StopReason reason) {
+  result_.stop_reason = reason;
+  done_ = true;
+  result_.decode_seconds = now_seconds() - decode_start_;
+}
+
+std::string Generation::step() {
+  if (done_) fail(ErrorCode::invalid_argument, "generate: the generation has already ended");
+  const Tokenizer& tok = engine_.model().tokenizer();
+  std::string released;
+  const TokenId next = sampler_.sample(logits_, session_.tokens());
+  if (options_.stop_at_end_of_generation && tok.is_end_of_generation(next)) {
+    filter_->flush(result_.text, released);
+    finish(StopReason::end_of_generation);
+    return released;
+  }
+  result_.tokens.push_back(next);
+  if (filter_->push(tok.token_to_piece(prev_, next), result_.text, released)) {
+    finish(StopReason::stop_string);
+    return released;
+  }
+  prev_ = next;
+  StopReason reason = StopReason::max_tokens;
+  bool stop = static_cast<int>(result_.tokens.size()) == options_.max_new_tokens;  // the last token needs no pass
+  if (!stop && session_.n_past() >= limit_) {
+    stop = true;
+    reason = StopReason::context_full;
+  }
+  if (stop) {
+    filter_->flush(result_.text, released);
+    finish(reason);
+    return released;
+  }
+  logits_ = engine_.forward(session_, std::span<const TokenId>(&next, 1));
+  ++result_.decode_tokens;
+  return released;
+}
 
 GenerateResult generate(Engine& engine, Session& session, std::span<const TokenId> prompt,
                         const GenerateOptions& options, const std::function<void(std::string_view)>& on_text) {
-  if (options.max_new_tokens < 0)
-    fail(ErrorCode::invalid_argument, "max new tokens must be >= 0, got {}", options.max_new_tokens);
-  if (prompt.empty()) fail(ErrorCode::invalid_argument, "generate: the prompt has no tokens");
-  const Tokenizer& tok = engine.model().tokenizer();
-  const int limit = std::min(engine.model().config().context_length, session.cache().capacity());
-  Sampler sampler(options.sampling);
-  GenerateResult result;
-  StopStringFilter filter(options.stop_strings, on_text);
-
-  const auto t0 = Clock::now();
-  std::span<const float> logits = engine.forward(session, prompt);
-  result.prefill_tokens = static_cast<int>(prompt.size());
-  result.prefill_seconds = seconds_since(t0);
-
-  const auto t1 = Clock::now();
-  TokenId prev = session.tokens().back();
-  for (int i = 0; i < options.max_new_tokens; ++i) {
-    const TokenId next = sampler.sample(logits, session.tokens());
-    if (options.stop_at_end_of_generation && tok.is_end_of_generation(next)) {
-      result.stop_reason = StopReason::end_of_generation;
-      break;
-    }
-    result.tokens.push_back(next);
-    if (filter.push(tok.token_to_piece(prev, next), result.text)) {
-      result.stop_reason = StopReason::stop_string;
-      break;
-    }
-    prev = next;
-    if (i + 1 == options.max_new_tokens) break;  // the last token needs no forward pass
-    if (session.n_past() >= limit) {
-      result.stop_reason = StopReason::context_full;
-      break;
-    }
-    logits = engine.forward(session, std::span<const TokenId>(&next, 1));
-    ++result.decode_tokens;
+  Generation g(engine, session, prompt, options);
+  while (!g.done()) {
+    const std::string text = g.step();
+    if (on_text && !text.empty()) on_text(text);
   }
-  if (result.stop_reason != StopReason::stop_string) filter.flush(result.text);
-  result.decode_seconds = seconds_since(t1);
-  return result;
+  return g.result();
 }
 
 }  // namespace qkvshare

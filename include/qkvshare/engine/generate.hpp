@@ -2,6 +2,7 @@
 // The decode loop: feed a prompt, then sample until a stop condition, with
 // streamed text and timings.
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -39,5 +40,39 @@ struct GenerateResult {
 GenerateResult generate(Engine& engine, Session& session, std::span<const TokenId> prompt,
                         const GenerateOptions& options,
                         const std::function<void(std::string_view)>& on_text = {});
+
+// generate() one token at a time, for callers that drive the loop themselves
+// (the Python package's stream iterator): the constructor prefills the prompt,
+// each step() samples one token and runs its forward pass when another token
+// will follow. generate() is this loop, so both give the same tokens.
+class Generation {
+ public:
+  Generation(Engine& engine, Session& session, std::span<const TokenId> prompt, const GenerateOptions& options);
+  ~Generation();
+  Generation(const Generation&) = delete;
+  Generation& operator=(const Generation&) = delete;
+
+  bool done() const noexcept { return done_; }
+  // One token; returns the text it released (often empty: held back for a
+  // stop string, or nothing left). Error(invalid_argument) after done().
+  std::string step();
+  // The tokens and text so far; final (stop reason, timings) once done().
+  const GenerateResult& result() const noexcept { return result_; }
+
+ private:
+  class StopFilter;
+  Engine& engine_;
+  Session& session_;
+  GenerateOptions options_;
+  Sampler sampler_;
+  std::unique_ptr<StopFilter> filter_;
+  GenerateResult result_;
+  std::span<const float> logits_;
+  TokenId prev_ = -1;
+  int limit_ = 0;
+  bool done_ = false;
+  double decode_start_ = 0.0;  // steady-clock seconds when decoding began
+  void finish(StopReason reason);
+};
 
 }  // namespace qkvshare
