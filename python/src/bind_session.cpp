@@ -323,7 +323,7 @@ void bind_session(nb::module_& m) {
         d["prefill_tokens"] = s.handoff.prefill_tokens;
         d["seconds"] = s.handoff.seconds;
         return d;
-      }, "How pool.open() made this session: kv (continued on the producer's blocks) or a text fallback.")
+      }, "How pool.open() made this session: kv (continued on the producer's blocks) or fallback (none, model, format, checksum, shape, requested) with detail.")
       .def_prop_ro("closed", [](const SessionBox& s) { return !s.session; })
       .def("close", [](SessionBox& s) {
         if (s.streaming) fail(ErrorCode::invalid_argument, "the session has a stream in progress");

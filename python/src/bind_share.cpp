@@ -62,6 +62,19 @@ nb::bytes descriptor_bytes(const Descriptor& d) {
   return nb::bytes(reinterpret_cast<const char*>(e.data()), e.size());
 }
 
+// The reason as an identifier (to_string() gives words, for messages).
+std::string fallback_name(FallbackReason r) {
+  switch (r) {
+    case FallbackReason::none: return "none";
+    case FallbackReason::model: return "model";
+    case FallbackReason::format: return "format";
+    case FallbackReason::checksum: return "checksum";
+    case FallbackReason::shape: return "shape";
+    case FallbackReason::requested: return "requested";
+  }
+  return "unknown";
+}
+
 std::string format_name(const Descriptor& d) {
   const auto f = d.format();
   return f ? f->to_string() : "unknown";
@@ -183,7 +196,7 @@ void bind_share(nb::module_& m) {
       .def(
           "open",
           [](PoolBox& p, const Descriptor& d, std::shared_ptr<EngineBox> engine, const std::string& agent,
-             const std::string& mode, bool verify, int capacity) {
+             const std::string& mode, bool verify, int capacity, bool release_grant) {
             SharePool& pool = p.get();
             if (!engine) fail(ErrorCode::invalid_argument, "open: engine is None");
             HandoffOptions o;
@@ -202,15 +215,20 @@ void bind_share(nb::module_& m) {
             const bool pooled = dynamic_cast<const PooledKvCache*>(&s->session->cache()) != nullptr;
             s->pool = pooled ? p.pool : nullptr;
             s->kv = pooled ? d.format().value_or(KvFormat{}).to_string() : "dense";
-            s->handoff = {true, r.kv, std::string(to_string(r.fallback)), r.detail, r.prefill_tokens, r.seconds};
+            std::string detail = r.detail;
+            if (detail.empty() && r.fallback != FallbackReason::none) detail = to_string(r.fallback);
+            s->handoff = {true, r.kv, fallback_name(r.fallback), detail, r.prefill_tokens, r.seconds};
+            // The session holds its own block references: the grant has done its job.
+            if (release_grant) pool.release(d, agent);
             return s;
           },
           nb::arg("descriptor"), nb::arg("engine"), nb::arg("agent"), nb::arg("mode") = "auto",
-          nb::arg("verify") = false, nb::arg("capacity") = 0,
+          nb::arg("verify") = false, nb::arg("capacity") = 0, nb::arg("release") = true,
           "Opens a descriptor granted to `agent` as a session of `engine` that continues the context. mode: "
           "'auto' (the KV, else a text re-prefill with the reason in session.handoff), 'kv' (the KV or "
-          "BadDescriptor), 'text'. verify: rehash every block first. Forged, stale or foreign descriptors "
-          "raise BadDescriptor.")
+          "BadDescriptor), 'text'. verify: rehash every block first. release: end the grant once opened (the "
+          "session holds its own block references, so the descriptor goes stale; False keeps it openable "
+          "until pool.release()). Forged, stale or foreign descriptors raise BadDescriptor.")
       .def(
           "release",
           [](PoolBox& p, const Descriptor& d, const std::string& agent) { p.get().release(d, agent); },
