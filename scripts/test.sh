@@ -10,12 +10,14 @@ if model=$(scripts/fetch_model.sh); then
 else
   echo "*** WARNING: the default model could not be fetched; SmolLM2 tests will be SKIPPED. ***" >&2
 fi
+echo "[test] Python package: pip install . into a fresh venv (build-python/venv)" >&2
+scripts/python_package.sh
 echo "[test] release build: full suite" >&2
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 echo "[test] ASan+UBSan build: C++ tests" >&2
 BUILD_DIR=build-asan BUILD_TYPE=Debug scripts/build.sh -DQKVSHARE_SANITIZE=ON -DQKVSHARE_BUILD_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE "reference|slow"
+  ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE "reference|slow|python"
 echo "[test] ThreadSanitizer build: the concurrent parts (thread pool, KV pool, share layer)" >&2
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_TSAN=ON -DQKVSHARE_BUILD_BENCH=OFF >&2
 cmake --build build-tsan -j "$(nproc)" --target test_core test_kv test_share >&2

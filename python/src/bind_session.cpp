@@ -31,17 +31,17 @@ std::size_t incomplete_utf8_tail(std::string_view s) {
   return 0;
 }
 
-GenerateOptions generate_options(int max_tokens, float temperature, int top_k, float top_p, float min_p,
-                                 float repeat_penalty, int repeat_last_n, std::uint64_t seed,
+GenerateOptions generate_options(int max_tokens, double temperature, int top_k, double top_p, double min_p,
+                                 double repeat_penalty, int repeat_last_n, std::uint64_t seed,
                                  std::vector<std::string> stop, bool ignore_eos) {
   GenerateOptions o;
   if (max_tokens < 0) fail(ErrorCode::invalid_argument, "max_tokens must be >= 0, got {}", max_tokens);
   o.max_new_tokens = max_tokens;
-  o.sampling.temperature = temperature;
+  o.sampling.temperature = static_cast<float>(temperature);
   o.sampling.top_k = top_k;
-  o.sampling.top_p = top_p;
-  o.sampling.min_p = min_p;
-  o.sampling.repeat_penalty = repeat_penalty;
+  o.sampling.top_p = static_cast<float>(top_p);
+  o.sampling.min_p = static_cast<float>(min_p);
+  o.sampling.repeat_penalty = static_cast<float>(repeat_penalty);
   o.sampling.repeat_last_n = repeat_last_n;
   o.sampling.seed = seed;
   o.sampling.validate();
@@ -252,8 +252,8 @@ void bind_session(nb::module_& m) {
           "the model adds BOS; `special` parses texts such as <|im_start|>.")
       .def(
           "generate",
-          [](std::shared_ptr<SessionBox> s, nb::handle prompt, int max_tokens, float temperature, int top_k,
-             float top_p, float min_p, float repeat_penalty, int repeat_last_n, std::uint64_t seed,
+          [](std::shared_ptr<SessionBox> s, nb::handle prompt, int max_tokens, double temperature, int top_k,
+             double top_p, double min_p, double repeat_penalty, int repeat_last_n, std::uint64_t seed,
              std::vector<std::string> stop, bool ignore_eos, bool special) {
             Session& session = s->get();
             const GenerateOptions o = generate_options(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
@@ -266,15 +266,15 @@ void bind_session(nb::module_& m) {
             after_generation(*s, g);
             return g.result();
           },
-          nb::arg("prompt"), nb::arg("max_tokens") = 128, nb::arg("temperature") = 0.8f, nb::arg("top_k") = 40,
-          nb::arg("top_p") = 0.95f, nb::arg("min_p") = 0.05f, nb::arg("repeat_penalty") = 1.0f,
+          nb::arg("prompt"), nb::arg("max_tokens") = 128, nb::arg("temperature") = 0.8, nb::arg("top_k") = 40,
+          nb::arg("top_p") = 0.95, nb::arg("min_p") = 0.05, nb::arg("repeat_penalty") = 1.0,
           nb::arg("repeat_last_n") = 64, nb::arg("seed") = 0, nb::arg("stop") = std::vector<std::string>{},
           nb::arg("ignore_eos") = false, nb::arg("special") = false,
           "Appends the prompt and generates (blocking); sampling options as the CLI's (temperature 0: greedy).")
       .def(
           "stream",
-          [](std::shared_ptr<SessionBox> s, nb::handle prompt, int max_tokens, float temperature, int top_k,
-             float top_p, float min_p, float repeat_penalty, int repeat_last_n, std::uint64_t seed,
+          [](std::shared_ptr<SessionBox> s, nb::handle prompt, int max_tokens, double temperature, int top_k,
+             double top_p, double min_p, double repeat_penalty, int repeat_last_n, std::uint64_t seed,
              std::vector<std::string> stop, bool ignore_eos, bool special) {
             s->get();
             const GenerateOptions o = generate_options(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
@@ -282,8 +282,8 @@ void bind_session(nb::module_& m) {
             std::vector<TokenId> ids = with_pending(*s, prompt, special);
             return new Stream(s, std::move(ids), o);
           },
-          nb::arg("prompt"), nb::arg("max_tokens") = 128, nb::arg("temperature") = 0.8f, nb::arg("top_k") = 40,
-          nb::arg("top_p") = 0.95f, nb::arg("min_p") = 0.05f, nb::arg("repeat_penalty") = 1.0f,
+          nb::arg("prompt"), nb::arg("max_tokens") = 128, nb::arg("temperature") = 0.8, nb::arg("top_k") = 40,
+          nb::arg("top_p") = 0.95, nb::arg("min_p") = 0.05, nb::arg("repeat_penalty") = 1.0,
           nb::arg("repeat_last_n") = 64, nb::arg("seed") = 0, nb::arg("stop") = std::vector<std::string>{},
           nb::arg("ignore_eos") = false, nb::arg("special") = false, nb::rv_policy::take_ownership,
           "Like generate(), as an iterator of text pieces (one decode step per piece; the GIL is released "
