@@ -74,7 +74,7 @@ Generation::Generation(Engine& engine, Session& session, std::span<const TokenId
   filter_ = std::make_unique<StopFilter>(options_.stop_strings);
   limit_ = std::min(engine.model().config().context_length, session.cache().capacity());
   const double t0 = now_seconds();
-  logits_ = engine.forward(session, prompt);
+  keep_logits(engine.forward(session, prompt));
   result_.prefill_tokens = static_cast<int>(prompt.size());
   result_.prefill_seconds = now_seconds() - t0;
   decode_start_ = now_seconds();
@@ -117,7 +117,7 @@ std::string Generation::step() {
     finish(reason);
     return released;
   }
-  logits_ = engine_.forward(session_, std::span<const TokenId>(&next, 1));
+  keep_logits(engine_.forward(session_, std::span<const TokenId>(&next, 1)));
   ++result_.decode_tokens;
   return released;
 }

@@ -58,6 +58,9 @@ class Generation {
   std::string step();
   // The tokens and text so far; final (stop reason, timings) once done().
   const GenerateResult& result() const noexcept { return result_; }
+  // Next-token logits of the last forward pass (owned here: the engine's own
+  // buffer is overwritten by any other session's pass on the same engine).
+  std::span<const float> logits() const noexcept { return logits_; }
 
  private:
   class StopFilter;
@@ -67,12 +70,13 @@ class Generation {
   Sampler sampler_;
   std::unique_ptr<StopFilter> filter_;
   GenerateResult result_;
-  std::span<const float> logits_;
+  std::vector<float> logits_;
   TokenId prev_ = -1;
   int limit_ = 0;
   bool done_ = false;
   double decode_start_ = 0.0;  // steady-clock seconds when decoding began
   void finish(StopReason reason);
+  void keep_logits(std::span<const float> logits) { logits_.assign(logits.begin(), logits.end()); }
 };
 
 }  // namespace qkvshare
