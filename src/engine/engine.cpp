@@ -46,7 +46,7 @@ void Engine::ensure_scratch(int n) {
   scratch_tokens_ = n;
 }
 
-std::span<const float> Engine::forward(Session& session, std::span<const TokenId> tokens, bool all_logits) {
+void Engine::check_entry(const Session& session, std::span<const TokenId> tokens) const {
   const ModelConfig& c = model_.config();
   if (tokens.empty()) fail(ErrorCode::invalid_argument, "forward: no tokens");
   const std::size_t limit = static_cast<std::size_t>(std::min(c.context_length, session.cache().capacity()));
@@ -56,46 +56,111 @@ std::span<const float> Engine::forward(Session& session, std::span<const TokenId
   for (TokenId t : tokens)
     if (t < 0 || t >= c.vocab_size)
       fail(ErrorCode::invalid_argument, "token id {} is outside the vocabulary [0, {})", t, c.vocab_size);
-
-  const std::size_t vocab = static_cast<std::size_t>(c.vocab_size);
-  logits_.resize(all_logits ? tokens.size() * vocab : vocab);
-  for (std::size_t begin = 0; begin < tokens.size(); begin += static_cast<std::size_t>(options_.max_batch)) {
-    const std::size_t n = std::min(tokens.size() - begin, static_cast<std::size_t>(options_.max_batch));
-    const bool last = begin + n == tokens.size();
-    float* out = all_logits ? logits_.data() + begin * vocab : (last ? logits_.data() : nullptr);
-    forward_chunk(session, tokens.subspan(begin, n), all_logits, out);
-  }
-  return {logits_.data(), logits_.size()};
 }
 
-void Engine::forward_chunk(Session& session, std::span<const TokenId> tokens, bool all_logits, float* logits_out) {
+std::span<const float> Engine::forward(Session& session, std::span<const TokenId> tokens, bool all_logits) {
+  check_entry(session, tokens);  // the whole sequence, before any chunk runs
+  const std::size_t vocab = static_cast<std::size_t>(model_.config().vocab_size);
+  const auto chunk = static_cast<std::size_t>(options_.max_batch);
+  if (all_logits) forward_logits_.resize(tokens.size() * vocab);
+  std::span<const float> last;
+  for (std::size_t begin = 0; begin < tokens.size(); begin += chunk) {
+    const std::size_t n = std::min(tokens.size() - begin, chunk);
+    const bool final_chunk = begin + n == tokens.size();
+    const BatchEntry entry{&session, tokens.subspan(begin, n),
+                           all_logits ? LogitsWanted::all : (final_chunk ? LogitsWanted::last : LogitsWanted::none)};
+    const BatchOutcome& out = forward_batch(std::span<const BatchEntry>(&entry, 1))[0];
+    if (out.error) throw *out.error;
+    if (all_logits) std::copy(out.logits.begin(), out.logits.end(), forward_logits_.begin() + static_cast<std::ptrdiff_t>(begin * vocab));
+    last = out.logits;
+  }
+  if (all_logits) return {forward_logits_.data(), forward_logits_.size()};
+  return last;
+}
+
+std::span<const BatchOutcome> Engine::forward_batch(std::span<const BatchEntry> entries) {
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].session == nullptr) fail(ErrorCode::invalid_argument, "forward_batch: entry {} has no session", i);
+    for (std::size_t j = 0; j < i; ++j)
+      if (entries[j].session == entries[i].session)
+        fail(ErrorCode::invalid_argument, "forward_batch: entries {} and {} advance the same session", j, i);
+    total += entries[i].tokens.size();
+  }
+  if (total > static_cast<std::size_t>(options_.max_batch))
+    fail(ErrorCode::invalid_argument, "forward_batch: {} tokens in one pass exceed max_batch {}", total,
+         options_.max_batch);
+  outcomes_.assign(entries.size(), BatchOutcome{});
+  alive_.assign(entries.size(), 0);
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    try {
+      check_entry(*entries[i].session, entries[i].tokens);
+      alive_[i] = 1;
+    } catch (const Error& e) {
+      outcomes_[i].error = e;
+    }
+  }
+  run_batch(entries);
+  return outcomes_;
+}
+
+// One pass over the rows of every live entry, entry i at rows [row0_[i], row0_[i] + n_i).
+void Engine::run_batch(std::span<const BatchEntry> entries) {
   const ModelConfig& c = model_.config();
   const ModelWeights& w = model_.weights();
-  KvCache& cache = session.cache();
-  const int n = static_cast<int>(tokens.size());
-  const int p0 = cache.size();
+  const std::size_t E = entries.size();
+  row0_.assign(E + 1, 0);
+  int n = 0;
+  for (std::size_t i = 0; i < E; ++i) {
+    row0_[i] = n;
+    if (alive_[i]) n += static_cast<int>(entries[i].tokens.size());
+  }
+  row0_[E] = n;
+  if (n == 0) return;
   ensure_scratch(n);
   const std::int64_t d = c.d_model, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.d_ff;
+  const auto rows = [&](std::size_t i) { return static_cast<int>(entries[i].tokens.size()); };
 
-  for (int t = 0; t < n; ++t) kernels::dequantize_row(w.token_embedding, tokens[static_cast<std::size_t>(t)], &x_[t * d]);
+  for (std::size_t i = 0; i < E; ++i) {
+    if (!alive_[i]) continue;
+    for (int t = 0; t < rows(i); ++t)
+      kernels::dequantize_row(w.token_embedding, entries[i].tokens[static_cast<std::size_t>(t)], &x_[(row0_[i] + t) * d]);
+  }
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
     const auto* attn_norm = reinterpret_cast<const float*>(lw.attn_norm.data);
     for (int t = 0; t < n; ++t) kernels::rmsnorm(&xb_[t * d], &x_[t * d], attn_norm, d, c.rms_eps);
     project({{&lw.wq, q_.data()}, {&lw.wk, k_.data()}, {&lw.wv, v_.data()}}, xb_.data(), n);
-    for (int t = 0; t < n; ++t) {
-      if (lw.bq) {
-        kernels::add_inplace(&q_[t * qd], reinterpret_cast<const float*>(lw.bq->data), qd);
-        kernels::add_inplace(&k_[t * kvd], reinterpret_cast<const float*>(lw.bk->data), kvd);
-        kernels::add_inplace(&v_[t * kvd], reinterpret_cast<const float*>(lw.bv->data), kvd);
+    works_.clear();
+    for (std::size_t i = 0; i < E; ++i) {
+      if (!alive_[i]) continue;
+      KvCache& cache = entries[i].session->cache();
+      const int p0 = cache.size(), r0 = row0_[i];
+      for (int t = 0; t < rows(i); ++t) {
+        const std::int64_t r = r0 + t;
+        if (lw.bq) {
+          kernels::add_inplace(&q_[r * qd], reinterpret_cast<const float*>(lw.bq->data), qd);
+          kernels::add_inplace(&k_[r * kvd], reinterpret_cast<const float*>(lw.bk->data), kvd);
+          kernels::add_inplace(&v_[r * kvd], reinterpret_cast<const float*>(lw.bv->data), kvd);
+        }
+        const auto pos = static_cast<float>(p0 + t);
+        kernels::rope(&q_[r * qd], c.n_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);
+        kernels::rope(&k_[r * kvd], c.n_kv_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);
       }
-      const auto pos = static_cast<float>(p0 + t);
-      kernels::rope(&q_[t * qd], c.n_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);
-      kernels::rope(&k_[t * kvd], c.n_kv_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);
+      try {
+        cache.write(l, rows(i), &k_[r0 * kvd], &v_[r0 * kvd]);
+      } catch (const Error& e) {
+        // This session alone fails (its pool is full); its rows ride along
+        // as zeros to the end of the pass and nothing of it is committed.
+        outcomes_[i].error = e;
+        alive_[i] = 0;
+        std::fill(att_.begin() + r0 * qd, att_.begin() + (r0 + rows(i)) * qd, 0.0f);
+        continue;
+      }
+      works_.push_back(&cache.plan_attend(l, rows(i), &q_[r0 * qd], &att_[r0 * qd]));
     }
-    cache.write(l, n, k_.data(), v_.data());
-    cache.attend(l, n, q_.data(), att_.data(), pool_);
+    run_attend_works(works_, pool_);
     project({{&lw.wo, xb_.data()}}, att_.data(), n);
     for (int t = 0; t < n; ++t) kernels::add_inplace(&x_[t * d], &xb_[t * d], d);
 
@@ -106,14 +171,31 @@ void Engine::forward_chunk(Session& session, std::span<const TokenId> tokens, bo
     project({{&lw.w_down, xb_.data()}}, gate_.data(), n);
     for (int t = 0; t < n; ++t) kernels::add_inplace(&x_[t * d], &xb_[t * d], d);
   }
-  cache.commit(n);
-  session.tokens_.insert(session.tokens_.end(), tokens.begin(), tokens.end());
 
-  if (logits_out == nullptr) return;
+  // Commit, then the logits of the rows that want them, gathered into one matmul.
   const auto* out_norm = reinterpret_cast<const float*>(w.output_norm.data);
-  const int first = all_logits ? 0 : n - 1;
-  for (int t = first; t < n; ++t) kernels::rmsnorm(&xb_[t * d], &x_[t * d], out_norm, d, c.rms_eps);
-  project({{&w.output, logits_out}}, &xb_[first * d], n - first);
+  int gathered = 0;
+  for (std::size_t i = 0; i < E; ++i) {
+    if (!alive_[i]) continue;
+    Session& session = *entries[i].session;
+    session.cache().commit(rows(i));
+    session.tokens_.insert(session.tokens_.end(), entries[i].tokens.begin(), entries[i].tokens.end());
+    if (entries[i].logits == LogitsWanted::none) continue;
+    const int first = entries[i].logits == LogitsWanted::all ? 0 : rows(i) - 1;
+    for (int t = first; t < rows(i); ++t, ++gathered)
+      kernels::rmsnorm(&xb_[gathered * d], &x_[(row0_[i] + t) * d], out_norm, d, c.rms_eps);
+  }
+  if (gathered == 0) return;
+  const std::size_t vocab = static_cast<std::size_t>(c.vocab_size);
+  logits_.resize(static_cast<std::size_t>(gathered) * vocab);
+  project({{&w.output, logits_.data()}}, xb_.data(), gathered);
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < E; ++i) {
+    if (!alive_[i] || entries[i].logits == LogitsWanted::none) continue;
+    const std::size_t k = entries[i].logits == LogitsWanted::all ? static_cast<std::size_t>(rows(i)) : 1;
+    outcomes_[i].logits = std::span<const float>(logits_.data() + at * vocab, k * vocab);
+    at += k;
+  }
 }
 
 void Engine::project(std::initializer_list<std::pair<const TensorView*, float*>> outs, const float* x, int n) {

@@ -38,26 +38,40 @@ void DenseKvCache::write(int layer, int n, const float* k, const float* v) {
   std::memcpy(v_at(layer, size_), v, bytes);
 }
 
-void DenseKvCache::attend(int layer, int n, const float* q, float* out, ThreadPool& pool) {
-  const int hd = shape_.head_dim;
-  const int group = shape_.n_heads / shape_.n_kv_heads;
+AttendWork& DenseKvCache::plan_attend(int layer, int n, const float* q, float* out) {
+  QKV_CHECK(layer >= 0 && layer < shape_.n_layers && n > 0 && size_ + n <= capacity_);
+  work_.cache = this;
+  work_.layer = layer;
+  work_.n = n;
+  work_.q = q;
+  work_.out = out;
+  return work_;
+}
+
+std::size_t DenseKvCache::Work::jobs() const noexcept {
+  return static_cast<std::size_t>(n) * static_cast<std::size_t>(cache->shape_.n_heads);
+}
+
+double DenseKvCache::Work::job_cost() const noexcept {
+  return (cache->size_ + 0.5 * n + 1.0) * cache->shape_.head_dim;
+}
+
+void DenseKvCache::Work::run(std::size_t job) {
+  const KvShape& s = cache->shape_;
+  const int hd = s.head_dim;
+  const int group = s.n_heads / s.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const std::int64_t stride = shape_.kv_dim();
-  const float* k0 = k_at(layer, 0);
-  const float* v0 = v_at(layer, 0);
-  const std::size_t jobs = static_cast<std::size_t>(n) * static_cast<std::size_t>(shape_.n_heads);
-  pool.parallel_for(jobs, 1, [&](std::size_t begin, std::size_t end, int) {
-    thread_local std::vector<float> scores;
-    scores.resize(static_cast<std::size_t>(size_ + n));
-    for (std::size_t job = begin; job < end; ++job) {
-      const int t = static_cast<int>(job / static_cast<std::size_t>(shape_.n_heads));
-      const int h = static_cast<int>(job % static_cast<std::size_t>(shape_.n_heads));
-      const int kvh = h / group;
-      const std::int64_t qoff = static_cast<std::int64_t>(t) * shape_.q_dim() + static_cast<std::int64_t>(h) * hd;
-      kernels::attend_head_f32(q + qoff, k0 + kvh * hd, v0 + kvh * hd, stride, size_ + t + 1, hd, scale,
-                               scores.data(), out + qoff);
-    }
-  });
+  const std::int64_t stride = s.kv_dim();
+  const float* k0 = cache->keys(layer, 0);
+  const float* v0 = cache->values(layer, 0);
+  const int t = static_cast<int>(job / static_cast<std::size_t>(s.n_heads));
+  const int h = static_cast<int>(job % static_cast<std::size_t>(s.n_heads));
+  const int kvh = h / group;
+  thread_local std::vector<float> scores;
+  scores.resize(static_cast<std::size_t>(cache->size_ + t + 1));
+  const std::int64_t qoff = static_cast<std::int64_t>(t) * s.q_dim() + static_cast<std::int64_t>(h) * hd;
+  kernels::attend_head_f32(q + qoff, k0 + kvh * hd, v0 + kvh * hd, stride, cache->size_ + t + 1, hd, scale,
+                           scores.data(), out + qoff);
 }
 
 void DenseKvCache::commit(int n) {

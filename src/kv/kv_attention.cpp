@@ -22,34 +22,28 @@ using Ops = KvKernels;
 // The f32 reference: the calls of kernels::attend_head_f32_ref in the same
 // order, so an f32 pool gives DenseKvCache's bits under the portable kernels
 // (the SIMD ISAs' attend kernels need contiguous keys; see the engine test).
-void attend_exact(const AttendInput& in, ThreadPool& pool) {
+// One job: query token t, query head h.
+void attend_exact_job(const AttendInput& in, std::size_t job) {
   const KvShape& s = in.shape;
   const int D = s.head_dim, T = in.block_tokens, group = s.n_heads / s.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const std::size_t jobs = static_cast<std::size_t>(in.n) * static_cast<std::size_t>(s.n_heads);
-  pool.parallel_for(jobs, 1, [&](std::size_t begin, std::size_t end, int) {
-    thread_local std::vector<float> scores;
-    scores.resize(static_cast<std::size_t>(in.first_pos + in.n));
-    for (std::size_t job = begin; job < end; ++job) {
-      const int t = static_cast<int>(job / static_cast<std::size_t>(s.n_heads));
-      const int h = static_cast<int>(job % static_cast<std::size_t>(s.n_heads));
-      const int kvh = h / group, n_keys = in.first_pos + t + 1;
-      const std::size_t qoff = static_cast<std::size_t>(t) * static_cast<std::size_t>(s.q_dim()) +
-                               static_cast<std::size_t>(h) * static_cast<std::size_t>(D);
-      const auto row = [&](const std::byte* const* tiles, int j) {
-        return reinterpret_cast<const float*>(tiles[(j / T) * s.n_kv_heads + kvh]) + (j % T) * D;
-      };
-      for (int j = 0; j < n_keys; ++j) scores[static_cast<std::size_t>(j)] = kernels::dot_f32(in.q + qoff, row(in.k_tiles, j), D) * scale;
-      kernels::softmax(scores.data(), n_keys);
-      std::memset(in.out + qoff, 0, sizeof(float) * static_cast<std::size_t>(D));
-      for (int j = 0; j < n_keys; ++j) kernels::axpy(in.out + qoff, scores[static_cast<std::size_t>(j)], row(in.v_tiles, j), D);
-    }
-  });
+  thread_local std::vector<float> scores;
+  const int t = static_cast<int>(job / static_cast<std::size_t>(s.n_heads));
+  const int h = static_cast<int>(job % static_cast<std::size_t>(s.n_heads));
+  const int kvh = h / group, n_keys = in.first_pos + t + 1;
+  scores.resize(static_cast<std::size_t>(n_keys));
+  const std::size_t qoff = static_cast<std::size_t>(t) * static_cast<std::size_t>(s.q_dim()) +
+                           static_cast<std::size_t>(h) * static_cast<std::size_t>(D);
+  const auto row = [&](const std::byte* const* tiles, int j) {
+    return reinterpret_cast<const float*>(tiles[(j / T) * s.n_kv_heads + kvh]) + (j % T) * D;
+  };
+  for (int j = 0; j < n_keys; ++j) scores[static_cast<std::size_t>(j)] = kernels::dot_f32(in.q + qoff, row(in.k_tiles, j), D) * scale;
+  kernels::softmax(scores.data(), n_keys);
+  std::memset(in.out + qoff, 0, sizeof(float) * static_cast<std::size_t>(D));
+  for (int j = 0; j < n_keys; ++j) kernels::axpy(in.out + qoff, scores[static_cast<std::size_t>(j)], row(in.v_tiles, j), D);
 }
 
-struct Partial {
-  float m, l;
-};
+using Partial = BlockAttend::Partial;
 
 // One job: KV head h, query tokens [t0, t1), key blocks [b0, b1).
 void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b0, int b1, bool partial,
@@ -130,71 +124,97 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
 
 }  // namespace
 
-void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool) {
+void BlockAttend::prepare(const AttendInput& in, AttendPath path) {
   const KvShape& s = in.shape;
   QKV_CHECK(in.n > 0 && in.n_blocks * in.block_tokens >= in.first_pos + in.n);
+  in_ = in;
   bool all_f32 = true;
   for (int b = 0; b < in.n_blocks; ++b)
     all_f32 = all_f32 && in.k_codecs[b].type == KvType::f32 && in.v_codecs[b].type == KvType::f32;
   if (path == AttendPath::exact || (path == AttendPath::automatic && all_f32 && !in.rotate_k && !in.rotate_v)) {
     QKV_CHECK(all_f32 && !in.rotate_k && !in.rotate_v);
-    attend_exact(in, pool);
+    ops_ = nullptr;
     return;
   }
   const KvIsa isa = path == AttendPath::scalar ? KvIsa::scalar
                    : path == AttendPath::avx2   ? KvIsa::avx2
                    : path == AttendPath::avx512 ? KvIsa::avx512
                                                 : best_kv_isa();
-  const Ops& ops = kv_kernels(isa);
-  const int chunks = (in.n + kChunkTokens - 1) / kChunkTokens;
+  ops_ = &kv_kernels(isa);
+  chunks_ = (in.n + kChunkTokens - 1) / kChunkTokens;
   // Few queries (decode): split the keys too, so every thread has work. The
-  // split depends on the problem only, never on the thread count, so results
-  // are the same on any machine.
-  const int parts = in.n <= 4 ? (in.n_blocks + kPartitionBlocks - 1) / kPartitionBlocks : 1;
-  const bool partial = parts > 1;
-  const std::size_t slots = static_cast<std::size_t>(in.n) * static_cast<std::size_t>(s.n_heads);
-  thread_local std::vector<Partial> ml;
-  thread_local std::vector<float> po;
-  if (partial) {
-    ml.assign(slots * static_cast<std::size_t>(parts), Partial{});
-    po.assign(slots * static_cast<std::size_t>(parts) * static_cast<std::size_t>(s.head_dim), 0.0f);
+  // split depends on the problem only, never on the thread count or on the
+  // other sessions of a batch, so results are the same on any machine.
+  parts_ = in.n <= 4 ? (in.n_blocks + kPartitionBlocks - 1) / kPartitionBlocks : 1;
+  slots_ = static_cast<std::size_t>(in.n) * static_cast<std::size_t>(s.n_heads);
+  if (parts_ > 1) {
+    ml_.assign(slots_ * static_cast<std::size_t>(parts_), Partial{});
+    po_.assign(slots_ * static_cast<std::size_t>(parts_) * static_cast<std::size_t>(s.head_dim), 0.0f);
   }
-  const std::size_t jobs = static_cast<std::size_t>(s.n_kv_heads) * chunks * parts;
-  Partial* ml_data = ml.data();
-  float* po_data = po.data();
-  pool.parallel_for(jobs, 1, [&](std::size_t begin, std::size_t end, int) {
-    for (std::size_t job = begin; job < end; ++job) {
-      const int p = static_cast<int>(job % static_cast<std::size_t>(parts));
-      const int c = static_cast<int>(job / static_cast<std::size_t>(parts) % static_cast<std::size_t>(chunks));
-      const int h = static_cast<int>(job / static_cast<std::size_t>(parts) / static_cast<std::size_t>(chunks));
-      const int t0 = c * kChunkTokens, t1 = std::min(in.n, t0 + kChunkTokens);
-      const int b0 = partial ? p * kPartitionBlocks : 0;
-      const int b1 = partial ? std::min(in.n_blocks, b0 + kPartitionBlocks) : in.n_blocks;
-      run_job(in, ops, h, t0, t1, b0, b1, partial, partial ? ml_data + slots * p : nullptr,
-              partial ? po_data + slots * p * s.head_dim : nullptr);
-    }
-  });
-  if (!partial) return;
+}
+
+std::size_t BlockAttend::jobs() const noexcept {
+  const KvShape& s = in_.shape;
+  if (ops_ == nullptr) return static_cast<std::size_t>(in_.n) * static_cast<std::size_t>(s.n_heads);
+  return static_cast<std::size_t>(s.n_kv_heads) * static_cast<std::size_t>(chunks_) * static_cast<std::size_t>(parts_);
+}
+
+double BlockAttend::job_cost() const noexcept {
+  const KvShape& s = in_.shape;
+  const double keys = in_.first_pos + 0.5 * in_.n + 1.0;
+  if (ops_ == nullptr) return keys * s.head_dim;
+  const double queries = std::min(in_.n, kChunkTokens) * (s.n_heads / s.n_kv_heads);
+  return queries * std::min(keys, static_cast<double>(kPartitionBlocks * in_.block_tokens)) * s.head_dim;
+}
+
+void BlockAttend::run(std::size_t job) {
+  if (ops_ == nullptr) {
+    attend_exact_job(in_, job);
+    return;
+  }
+  const auto parts = static_cast<std::size_t>(parts_), chunks = static_cast<std::size_t>(chunks_);
+  const int p = static_cast<int>(job % parts);
+  const int c = static_cast<int>(job / parts % chunks);
+  const int h = static_cast<int>(job / parts / chunks);
+  const int t0 = c * kChunkTokens, t1 = std::min(in_.n, t0 + kChunkTokens);
+  const bool partial = parts_ > 1;
+  const int b0 = partial ? p * kPartitionBlocks : 0;
+  const int b1 = partial ? std::min(in_.n_blocks, b0 + kPartitionBlocks) : in_.n_blocks;
+  const std::size_t slot0 = slots_ * static_cast<std::size_t>(p);
+  run_job(in_, *ops_, h, t0, t1, b0, b1, partial, partial ? ml_.data() + slot0 : nullptr,
+          partial ? po_.data() + slot0 * static_cast<std::size_t>(in_.shape.head_dim) : nullptr);
+}
+
+void BlockAttend::finish() {
+  if (ops_ == nullptr || parts_ <= 1) return;
   // Merge the partitions' softmax pieces: weights exp(m_p - M).
-  const int D = s.head_dim;
+  const int D = in_.shape.head_dim, parts = parts_;
+  const std::size_t slots = slots_;
   for (std::size_t slot = 0; slot < slots; ++slot) {
     float M = -std::numeric_limits<float>::infinity();
-    for (int p = 0; p < parts; ++p) M = std::max(M, ml[slots * p + slot].m);
-    float* dst = in.out + slot * static_cast<std::size_t>(D);  // slot = t * n_heads + qh
+    for (int p = 0; p < parts; ++p) M = std::max(M, ml_[slots * p + slot].m);
+    float* dst = in_.out + slot * static_cast<std::size_t>(D);  // slot = t * n_heads + qh
     std::fill(dst, dst + D, 0.0f);
     float L = 0.0f;
     for (int p = 0; p < parts; ++p) {
-      const Partial& pm = ml[slots * p + slot];
+      const Partial& pm = ml_[slots * p + slot];
       if (pm.l == 0.0f) continue;
       const float w = std::exp(pm.m - M);
       L += w * pm.l;
-      const float* o = &po[(slots * p + slot) * static_cast<std::size_t>(D)];
+      const float* o = &po_[(slots * p + slot) * static_cast<std::size_t>(D)];
       for (int c = 0; c < D; ++c) dst[c] += w * o[c];
     }
     const float inv = 1.0f / L;
     for (int c = 0; c < D; ++c) dst[c] *= inv;
-    if (in.rotate_v) unrotate(dst, D);
+    if (in_.rotate_v) unrotate(dst, D);
   }
+}
+
+void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool) {
+  BlockAttend work;
+  work.prepare(in, path);
+  AttendWork* w = &work;
+  run_attend_works(std::span<AttendWork* const>(&w, 1), pool);
 }
 
 }  // namespace qkvshare::kv

@@ -1,11 +1,13 @@
 #pragma once
-// Attention over a context's blocks, read in place (DESIGN.md rule 4): each
+// Attention over a context's blocks, read in place (docs/design.md rule 4): each
 // job decodes one tile at a time into a block-sized scratch and reuses it for
 // every query head of the KV group and every query token of its chunk.
 #include <cstddef>
+#include <vector>
 
 #include "qkvshare/core/thread_pool.hpp"
 #include "qkvshare/kv/kv_format.hpp"
+#include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
 namespace qkvshare::kv {
@@ -26,6 +28,32 @@ struct AttendInput {
   bool rotate_v = false;
 };
 
+// The attention of one AttendInput as independent jobs (see AttendWork):
+// exact path, one job per (query token, query head); otherwise one per (KV
+// head, chunk of query tokens, key partition), partitions merged in finish().
+class BlockAttend final : public AttendWork {
+ public:
+  // The input's arrays must stay valid until finish().
+  void prepare(const AttendInput& in, AttendPath path);
+  std::size_t jobs() const noexcept override;
+  double job_cost() const noexcept override;
+  void run(std::size_t job) override;
+  void finish() override;
+
+  struct Partial {
+    float m, l;
+  };
+
+ private:
+  AttendInput in_;
+  const KvKernels* ops_ = nullptr;  // null: the exact f32 path
+  int chunks_ = 0, parts_ = 1;
+  std::size_t slots_ = 0;
+  std::vector<Partial> ml_;  // [parts][n][n_heads] softmax pieces of split-K decode
+  std::vector<float> po_;    // [parts][n][n_heads][head_dim]
+};
+
+// prepare + run on `pool` + finish: one input alone.
 void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool);
 
 }  // namespace qkvshare::kv

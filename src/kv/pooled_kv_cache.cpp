@@ -230,12 +230,12 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
   }
 }
 
-void PooledKvCache::attend(int layer, int n, const float* q, float* out, ThreadPool& pool) {
+AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* out) {
   const KvShape& s = shape();
   QKV_CHECK(step_ && step_->n == n && step_->next_layer == layer + 1);
   for (const KvSegment& seg : segments_) QKV_CHECK(seg.position_offset == 0);  // splice is not there yet
   const int blocks = static_cast<int>(step_->view.size());
-  thread_local std::vector<const std::byte*> tiles;
+  std::vector<const std::byte*>& tiles = attend_tiles_;
   tiles.resize(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(s.n_kv_heads) * 2);
   const std::size_t half = tiles.size() / 2;
   for (int b = 0; b < blocks; ++b)
@@ -258,7 +258,9 @@ void PooledKvCache::attend(int layer, int n, const float* q, float* out, ThreadP
   in.v_codecs = step_->view_v.data();
   in.rotate_k = format_.rotate_k;
   in.rotate_v = format_.rotate_v;
-  kv::attend_blocks(in, path_, pool);
+  if (!attend_work_) attend_work_ = std::make_unique<kv::BlockAttend>();
+  attend_work_->prepare(in, path_);
+  return *attend_work_;
 }
 
 void PooledKvCache::commit(int n) {

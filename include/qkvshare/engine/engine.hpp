@@ -1,11 +1,28 @@
 #pragma once
 // The forward pass: batched prefill and one-token decode for any number of
 // sessions over one shared, read-only Model.
+//
+// Thread-safety rules:
+//  - A Model is read-only after load: any number of engines and threads may
+//    read it at once.
+//  - An Engine is driven by one thread at a time: forward() and
+//    forward_batch() use the engine's scratch and thread pool and must not
+//    overlap (the Scheduler, scheduler.hpp, is the one driver a server or the
+//    orchestrator shares; its submit()/cancel() are the calls other threads
+//    make).
+//  - A Session belongs to whoever drives it. While a call that includes it
+//    runs, no other thread may read or write it (tokens(), its cache); between
+//    calls it may be handed to another thread.
+//  - The KV pool behind pooled sessions is thread- and process-safe; sessions
+//    of one pool can be advanced by different engines at the same time.
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
+
+#include "qkvshare/core/error.hpp"
 
 #include "qkvshare/core/thread_pool.hpp"
 #include "qkvshare/kv/kv_cache.hpp"
@@ -32,6 +49,27 @@ class Session {
   std::vector<TokenId> tokens_;
 };
 
+// Which logits an entry of a batch wants back.
+enum class LogitsWanted { none, last, all };
+
+// One entry of a batched forward pass: `tokens` appended to `session` (one
+// token for a decoding session, a chunk of a prompt for a prefilling one).
+struct BatchEntry {
+  Session* session = nullptr;
+  std::span<const TokenId> tokens;
+  LogitsWanted logits = LogitsWanted::last;
+};
+
+// What one entry got. A failed entry (error set) left its session exactly as
+// it was before the call; the other entries are unaffected by its failure.
+struct BatchOutcome {
+  std::optional<Error> error;
+  // [1][vocab] (last) or [tokens][vocab] (all); empty for none or on error.
+  // Valid until the next forward/forward_batch call on this engine.
+  std::span<const float> logits;
+  bool ok() const noexcept { return !error.has_value(); }
+};
+
 struct EngineOptions {
   int n_threads = 0;     // 0: all hardware threads
   int max_batch = 256;   // tokens per forward chunk (bounds scratch memory)
@@ -45,6 +83,7 @@ class Engine {
   explicit Engine(const Model& model, EngineOptions options = {});
 
   const Model& model() const noexcept { return model_; }
+  const EngineOptions& options() const noexcept { return options_; }
   ThreadPool& pool() noexcept { return pool_; }
   KvShape kv_shape() const noexcept;
 
@@ -57,8 +96,24 @@ class Engine {
   // anything is written; Error(invalid_argument) for an out-of-range token id.
   std::span<const float> forward(Session& session, std::span<const TokenId> tokens, bool all_logits = false);
 
+  // The step API: advances every entry's session by its tokens in ONE forward
+  // pass. Every matmul runs over the rows of all entries (the weights are
+  // read once for the whole batch); RoPE uses each session's own positions;
+  // attention runs per session over its own KV, all sessions' jobs in one
+  // thread-pool round per layer. A row's result does not depend on the other
+  // rows of the batch beyond the matmul kernels' rounding (bit-identical with
+  // exact_matmul).
+  // Per entry, not thrown: a session that would exceed its context
+  // (context_full), an out-of-range token id or no tokens (invalid_argument),
+  // pool exhaustion while storing its KV (out_of_memory). Thrown before
+  // anything runs (Error(invalid_argument)): a null session, one session in two
+  // entries, more than max_batch tokens in all. Any other exception (a bug)
+  // fails the whole call; sessions keep their committed tokens either way.
+  std::span<const BatchOutcome> forward_batch(std::span<const BatchEntry> entries);
+
  private:
-  void forward_chunk(Session& session, std::span<const TokenId> tokens, bool all_logits, float* logits_out);
+  void run_batch(std::span<const BatchEntry> entries);
+  void check_entry(const Session& session, std::span<const TokenId> tokens) const;
   // Weights applied to the same n activation rows: one kernels::matmul_multi
   // call (activations quantized once), or exact matmuls one by one.
   void project(std::initializer_list<std::pair<const TensorView*, float*>> outs, const float* x, int n);
@@ -69,8 +124,13 @@ class Engine {
   ThreadPool pool_;
   std::vector<float> inv_freq_;
   // Scratch, sized for max_batch tokens.
-  std::vector<float> x_, xb_, q_, k_, v_, att_, gate_, up_, logits_;
+  std::vector<float> x_, xb_, q_, k_, v_, att_, gate_, up_, logits_, forward_logits_;
   int scratch_tokens_ = 0;
+  // Per batch: outcomes, the first row of each entry, whether it still runs.
+  std::vector<BatchOutcome> outcomes_;
+  std::vector<int> row0_;
+  std::vector<char> alive_;
+  std::vector<AttendWork*> works_;
 };
 
 }  // namespace qkvshare

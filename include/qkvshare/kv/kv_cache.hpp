@@ -2,13 +2,37 @@
 // The narrow interface between the forward pass and KV storage. The engine
 // hands over post-RoPE keys and values and asks for attention outputs; how K
 // and V are stored (dense f32 here, quantized pool blocks later) and how
-// attention reads them stays behind this interface (DESIGN.md rule 4: the
+// attention reads them stays behind this interface (docs/design.md rule 4: the
 // storage computes attention over its own blocks, nothing copies them out).
+#include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "qkvshare/core/thread_pool.hpp"
 
 namespace qkvshare {
+
+// The attention of one cache and layer for a pass, cut into independent jobs
+// but not run: a batched forward pass collects the work of every session and
+// runs all jobs in one ThreadPool::parallel_for (run_attend_works), so a
+// batch of N sessions costs one thread-pool round per layer, not N.
+class AttendWork {
+ public:
+  virtual ~AttendWork() = default;
+  virtual std::size_t jobs() const noexcept = 0;
+  // Relative cost of one job (the jobs of one work cost about the same); used
+  // to give every thread an equal share of a batch's mixed jobs.
+  virtual double job_cost() const noexcept = 0;
+  // Runs one job. Distinct jobs may run at the same time on any threads.
+  virtual void run(std::size_t job) = 0;
+  // After every job ran: combines partial results (split-K), on the caller.
+  virtual void finish() = 0;
+};
+
+// Runs every job of every work in one parallel_for, threads' shares balanced
+// by job cost, then finish() of each work. Which thread runs a job never
+// changes what it computes, so results equal running each work alone.
+void run_attend_works(std::span<AttendWork* const> works, ThreadPool& pool);
 
 struct KvShape {
   int n_layers = 0;
@@ -35,8 +59,13 @@ class KvCache {
   virtual void write(int layer, int n, const float* k, const float* v) = 0;
 
   // Causal attention of the `n` tokens just written to `layer`: query t sees
-  // tokens [0, size() + t]. q and out are [n][q_dim]; q is rotated.
-  virtual void attend(int layer, int n, const float* q, float* out, ThreadPool& pool) = 0;
+  // tokens [0, size() + t]. q and out are [n][q_dim]; q is rotated. The work
+  // belongs to the cache and stays valid until its next write, plan_attend or
+  // commit; q and out must stay valid until the work has finished.
+  virtual AttendWork& plan_attend(int layer, int n, const float* q, float* out) = 0;
+
+  // plan_attend, then its jobs on `pool`: the attention of one cache alone.
+  void attend(int layer, int n, const float* q, float* out, ThreadPool& pool);
 
   // Makes the `n` tokens written to every layer part of the cache.
   virtual void commit(int n) = 0;

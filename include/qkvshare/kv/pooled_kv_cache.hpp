@@ -21,10 +21,14 @@
 
 namespace qkvshare {
 
+namespace kv {
+class BlockAttend;
+}
+
 // A run of blocks holding consecutive tokens. Keys were rotated (RoPE) at the
 // positions they were computed at; a segment placed `position_offset` tokens
 // away from there would be read by rotating the query back by the offset
-// (DESIGN.md "Context"). Offsets are zero until splice exists.
+// (docs/design.md "Context"). Offsets are zero until splice exists.
 struct KvSegment {
   int position_offset = 0;
   std::vector<BlockRef> blocks;
@@ -47,7 +51,7 @@ class PooledKvCache final : public KvCache {
   int size() const noexcept override { return size_; }
   int capacity() const noexcept override { return capacity_; }
   void write(int layer, int n, const float* k, const float* v) override;
-  void attend(int layer, int n, const float* q, float* out, ThreadPool& pool) override;
+  AttendWork& plan_attend(int layer, int n, const float* q, float* out) override;
   void commit(int n) override;
 
   // A context over existing blocks (a handed-off one): takes its own
@@ -85,6 +89,9 @@ class PooledKvCache final : public KvCache {
   std::unique_ptr<Step> step_;
   AttendPath path_ = AttendPath::automatic;
   std::vector<float> rotated_;  // k/v rows of a write, rotated per head
+  // The planned attention and the tile pointers it reads (one plan at a time per cache).
+  std::unique_ptr<kv::BlockAttend> attend_work_;
+  std::vector<const std::byte*> attend_tiles_;
 };
 
 }  // namespace qkvshare
