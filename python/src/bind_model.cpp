@@ -119,6 +119,9 @@ void bind_model(nb::module_& m) {
              o.exact_matmul = exact_matmul;
              nb::gil_scoped_release release;
              box->engine = std::make_unique<Engine>(*box->model->model, o);
+             SchedulerOptions so;
+             so.token_budget = max_batch;
+             box->scheduler = std::make_unique<Scheduler>(*box->engine, so);
              return box;
            }),
            nb::arg("model"), nb::arg("threads") = 0, nb::arg("max_batch") = 256, nb::arg("exact_matmul") = false,

@@ -9,6 +9,7 @@
 #include "py_common.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/generate.hpp"
+#include "qkvshare/engine/scheduler.hpp"
 #include "qkvshare/kv/kv_pool.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
@@ -60,75 +61,133 @@ std::vector<TokenId> with_pending(SessionBox& s, const nb::handle& prompt, bool 
   return ids;
 }
 
-// After a generation: the last sampled token is pending when no pass ran for it.
-void after_generation(SessionBox& s, const Generation& g) {
-  const GenerateResult& r = g.result();
-  s.pending.reset();
-  if (static_cast<int>(r.tokens.size()) > r.decode_tokens) s.pending = r.tokens.back();
-  store_logits(s, g.logits(), 1);
+// A request of the engine's scheduler on one session (the session is busy
+// until finish()). Text the scheduler releases lands in `text`, which the
+// callback shares, so a callback running on another caller's step never
+// touches a freed object.
+struct Job {
+  std::shared_ptr<SessionBox> s;
+  std::shared_ptr<std::string> text = std::make_shared<std::string>();
+  RequestId id = 0;
+  int n_past_before = 0, prompt_tokens = 0;
+  bool active = false;
+
+  // Call with the GIL held (s->streaming is guarded by it) and the engine's mutex not held.
+  void submit(std::vector<TokenId> prompt, const GenerateOptions& o, bool keep_text) {
+    Session& session = s->get();
+    n_past_before = session.n_past();
+    prompt_tokens = static_cast<int>(prompt.size());
+    Request r;
+    r.session = &session;
+    r.prompt = std::move(prompt);
+    r.options = o;
+    if (keep_text) r.on_text = [t = text](std::string_view piece) { t->append(piece); };
+    {
+      nb::gil_scoped_release release;
+      std::lock_guard lock(s->engine->mu);
+      id = s->engine->scheduler->submit(std::move(r));
+    }
+    s->pending.reset();  // it is the prompt's first token now
+    s->streaming = true;
+    active = true;
+  }
+  // With the engine's mutex held: the result, if the request has finished.
+  std::optional<RequestResult> poll() {
+    EngineBox& e = *s->engine;
+    for (RequestResult& r : e.scheduler->take_finished()) e.finished.emplace(r.id, std::move(r));
+    auto it = e.finished.find(id);
+    if (it == e.finished.end()) return std::nullopt;
+    RequestResult r = std::move(it->second);
+    e.finished.erase(it);
+    return r;
+  }
+  // With the GIL held: the session is free again; the last sampled token is
+  // pending when no pass ran for it.
+  void finish(const RequestResult& r) {
+    active = false;
+    s->streaming = false;
+    s->logits.reset();  // the logits of prefill() no longer describe the session
+    const int fed = s->session->n_past() - n_past_before - prompt_tokens;
+    const auto& t = r.generation.tokens;
+    if (static_cast<int>(t.size()) > fed && !t.empty()) s->pending = t.back();
+  }
+};
+
+// Steps the engine's scheduler (one forward pass for every request of this
+// engine) until `job` finishes. Call without the GIL.
+RequestResult run_until_done(Job& job) {
+  EngineBox& e = *job.s->engine;
+  for (;;) {
+    std::lock_guard lock(e.mu);
+    if (auto r = job.poll()) return std::move(*r);
+    const bool ran = e.scheduler->step();
+    if (auto r = job.poll()) return std::move(*r);
+    if (!ran) fail(ErrorCode::internal, "request {} is neither running nor finished", job.id);
+  }
 }
 
 class Stream {
  public:
-  Stream(std::shared_ptr<SessionBox> s, std::vector<TokenId> prompt, const GenerateOptions& o) : s_(std::move(s)) {
-    Session& session = s_->get();
-    std::optional<TokenId> pending = s_->pending;
-    nb::gil_scoped_release release;
-    std::lock_guard lock(s_->engine->mu);
-    s_->pending.reset();
-    try {
-      gen_ = std::make_unique<Generation>(*s_->engine->engine, session, prompt, o);
-    } catch (...) {
-      s_->pending = pending;
-      throw;
-    }
-    s_->streaming = true;
+  Stream(std::shared_ptr<SessionBox> s, std::vector<TokenId> prompt, const GenerateOptions& o) {
+    job_.s = std::move(s);
+    job_.submit(std::move(prompt), o, /*keep_text=*/true);
   }
-  ~Stream() { finish(); }
+  ~Stream() {
+    try {
+      close();
+    } catch (...) {
+      // A destructor must not throw; the request ended either way.
+    }
+  }
 
   nb::str next() {
-    if (!gen_) throw nb::stop_iteration();
     std::string out;
+    std::optional<RequestResult> done;
     {
       nb::gil_scoped_release release;
-      std::lock_guard lock(s_->engine->mu);
-      while (!gen_->done()) {
-        held_ += gen_->step();
-        const std::size_t keep = gen_->done() ? 0 : incomplete_utf8_tail(held_);
-        if (held_.size() > keep) {
-          out = held_.substr(0, held_.size() - keep);
-          held_.erase(0, held_.size() - keep);
-          break;
-        }
+      EngineBox& e = *job_.s->engine;
+      std::lock_guard lock(e.mu);
+      std::string& text = *job_.text;
+      while (job_.active && !done) {
+        done = job_.poll();
+        if (done) break;
+        if (text.size() > incomplete_utf8_tail(text)) break;
+        e.scheduler->step();
       }
-      if (gen_->done() && !held_.empty()) {
-        out += held_;
-        held_.clear();
-      }
+      const std::size_t keep = done || !job_.active ? 0 : incomplete_utf8_tail(text);
+      out = text.substr(0, text.size() - keep);
+      text.erase(0, text.size() - keep);
     }
-    if (gen_->done()) {
-      result_ = gen_->result();
-      finish();
-      if (out.empty()) throw nb::stop_iteration();
+    if (done) {
+      job_.finish(*done);
+      result_ = done->generation;
+      if (done->error) throw *done->error;
     }
+    if (out.empty()) throw nb::stop_iteration();
     return utf8(out);
   }
 
   // Ends the stream now (the tokens generated so far stay in the session).
-  void finish() noexcept {
-    if (!gen_) return;
-    result_ = gen_->result();
-    after_generation(*s_, *gen_);
-    gen_.reset();
-    s_->streaming = false;
+  void close() {
+    if (!job_.active) return;
+    std::optional<RequestResult> r;
+    {
+      nb::gil_scoped_release release;
+      {
+        std::lock_guard lock(job_.s->engine->mu);
+        job_.s->engine->scheduler->cancel(job_.id);
+      }
+      r = run_until_done(job_);
+    }
+    job_.finish(*r);
+    result_ = r->generation;
+    job_.text->clear();  // a closed stream yields nothing more
   }
-  const GenerateResult& result() const { return gen_ ? gen_->result() : result_; }
-  bool done() const noexcept { return !gen_; }
+  const GenerateResult& result() const { return result_; }
+  bool done() const noexcept { return !job_.active; }
 
  private:
-  std::shared_ptr<SessionBox> s_;
-  std::unique_ptr<Generation> gen_;
-  std::string held_;  // bytes of a UTF-8 character not complete yet
+  Job job_;
   GenerateResult result_;
 };
 
@@ -224,9 +283,9 @@ void bind_session(nb::module_& m) {
   nb::class_<Stream>(m, "Stream", "Iterator of text pieces of a generation; see Session.stream().")
       .def("__iter__", [](nb::handle self) { return self; })
       .def("__next__", &Stream::next)
-      .def("close", &Stream::finish, "Stops generating; the tokens so far stay in the session.")
+      .def("close", &Stream::close, "Stops generating (cancels the request); the tokens so far stay in the session.")
       .def("__enter__", [](nb::handle self) { return self; })
-      .def("__exit__", [](Stream& s, nb::args) { s.finish(); })
+      .def("__exit__", [](Stream& s, nb::args) { s.close(); })
       .def_prop_ro("done", &Stream::done)
       .def_prop_ro("result", &Stream::result, nb::rv_policy::copy,
                    "The GenerateResult so far (final once the iterator is exhausted).");
@@ -255,16 +314,20 @@ void bind_session(nb::module_& m) {
           [](std::shared_ptr<SessionBox> s, nb::handle prompt, int max_tokens, double temperature, int top_k,
              double top_p, double min_p, double repeat_penalty, int repeat_last_n, std::uint64_t seed,
              std::vector<std::string> stop, bool ignore_eos, bool special) {
-            Session& session = s->get();
+            s->get();
             const GenerateOptions o = generate_options(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
                                                        repeat_last_n, seed, std::move(stop), ignore_eos);
-            std::vector<TokenId> ids = with_pending(*s, prompt, special);
-            nb::gil_scoped_release release;
-            std::lock_guard lock(s->engine->mu);
-            Generation g(*s->engine->engine, session, ids, o);
-            while (!g.done()) g.step();
-            after_generation(*s, g);
-            return g.result();
+            Job job;
+            job.s = s;
+            job.submit(with_pending(*s, prompt, special), o, /*keep_text=*/false);
+            RequestResult r;
+            {
+              nb::gil_scoped_release release;
+              r = run_until_done(job);
+            }
+            job.finish(r);
+            if (r.error) throw *r.error;
+            return r.generation;
           },
           nb::arg("prompt"), nb::arg("max_tokens") = 128, nb::arg("temperature") = 0.8, nb::arg("top_k") = 40,
           nb::arg("top_p") = 0.95, nb::arg("min_p") = 0.05, nb::arg("repeat_penalty") = 1.0,
@@ -286,10 +349,11 @@ void bind_session(nb::module_& m) {
           nb::arg("top_p") = 0.95, nb::arg("min_p") = 0.05, nb::arg("repeat_penalty") = 1.0,
           nb::arg("repeat_last_n") = 64, nb::arg("seed") = 0, nb::arg("stop") = std::vector<std::string>{},
           nb::arg("ignore_eos") = false, nb::arg("special") = false, nb::rv_policy::take_ownership,
-          "Like generate(), as an iterator of text pieces (one decode step per piece; the GIL is released "
-          "while the model runs).")
+          "Like generate(), as an iterator of text pieces. Each next() steps the engine's scheduler until text "
+          "arrives: every stream, generate() and generate_batch() of this engine in progress advances in the "
+          "same forward pass (the GIL is released while the model runs).")
       .def_prop_ro("logits", [](std::shared_ptr<SessionBox> s) { return logits_view(s); },
-                   "Logits of the last pass (read-only NumPy view, no copy), or None before any.")
+                   "Logits of the last prefill() (read-only NumPy view, no copy); None before any and after generate/stream.")
       .def_prop_ro("tokens", [](SessionBox& s) {
         if (!s.session) fail(ErrorCode::invalid_argument, "the session is closed");
         std::vector<TokenId> t = s.session->tokens();
@@ -337,6 +401,72 @@ void bind_session(nb::module_& m) {
       });
 
   nb::handle engine_type = nb::type<EngineBox>();
+  nb::setattr(
+      engine_type, "generate_batch",
+      nb::cpp_function(
+          [](std::shared_ptr<EngineBox> e, std::vector<std::shared_ptr<SessionBox>> sessions, nb::list prompts,
+             int max_tokens, double temperature, int top_k, double top_p, double min_p, double repeat_penalty,
+             int repeat_last_n, std::uint64_t seed, std::vector<std::string> stop, bool ignore_eos, bool special) {
+            if (sessions.size() != nb::len(prompts))
+              fail(ErrorCode::invalid_argument, "generate_batch: {} sessions but {} prompts", sessions.size(),
+                   nb::len(prompts));
+            GenerateOptions o = generate_options(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
+                                                 repeat_last_n, seed, std::move(stop), ignore_eos);
+            std::vector<Job> jobs(sessions.size());
+            for (std::size_t i = 0; i < sessions.size(); ++i) {
+              if (!sessions[i]) fail(ErrorCode::invalid_argument, "generate_batch: session {} is None", i);
+              if (sessions[i]->engine != e)
+                fail(ErrorCode::invalid_argument, "generate_batch: session {} belongs to another engine", i);
+              for (std::size_t j = 0; j < i; ++j)
+                if (sessions[j] == sessions[i])
+                  fail(ErrorCode::invalid_argument, "generate_batch: session {} is also session {}", i, j);
+            }
+            std::vector<RequestResult> results(jobs.size());
+            std::optional<Error> first_error;
+            std::size_t submitted = 0;
+            try {
+              for (; submitted < jobs.size(); ++submitted) {
+                jobs[submitted].s = sessions[submitted];
+                jobs[submitted].submit(with_pending(*sessions[submitted], prompts[submitted], special), o, false);
+              }
+            } catch (...) {
+              // Nothing of a batch that could not start runs: cancel what was queued.
+              for (std::size_t i = 0; i < submitted; ++i) {
+                RequestResult r;
+                {
+                  nb::gil_scoped_release release;
+                  {
+                    std::lock_guard lock(e->mu);
+                    e->scheduler->cancel(jobs[i].id);
+                  }
+                  r = run_until_done(jobs[i]);
+                }
+                jobs[i].finish(r);
+              }
+              throw;
+            }
+            {
+              nb::gil_scoped_release release;
+              for (std::size_t i = 0; i < jobs.size(); ++i) results[i] = run_until_done(jobs[i]);
+            }
+            std::vector<GenerateResult> out;
+            for (std::size_t i = 0; i < jobs.size(); ++i) {
+              jobs[i].finish(results[i]);
+              if (results[i].error && !first_error) first_error = results[i].error;
+              out.push_back(std::move(results[i].generation));
+            }
+            if (first_error) throw *first_error;
+            return out;
+          },
+          nb::is_method(), nb::scope(engine_type), nb::name("generate_batch"), nb::arg("sessions"),
+          nb::arg("prompts"), nb::arg("max_tokens") = 128, nb::arg("temperature") = 0.8, nb::arg("top_k") = 40,
+          nb::arg("top_p") = 0.95, nb::arg("min_p") = 0.05, nb::arg("repeat_penalty") = 1.0,
+          nb::arg("repeat_last_n") = 64, nb::arg("seed") = 0, nb::arg("stop") = std::vector<std::string>{},
+          nb::arg("ignore_eos") = false, nb::arg("special") = false,
+          "Generates for several sessions of this engine together through the step API: each step is one "
+          "forward pass carrying the next token of every decoding session and prompt chunks of the others. "
+          "Returns one GenerateResult per session; a session that fails ends alone, and its error is raised "
+          "after the others have finished."));
   nb::setattr(
       engine_type, "session",
       nb::cpp_function(

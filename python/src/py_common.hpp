@@ -16,7 +16,10 @@
 #include <string>
 #include <vector>
 
+#include <map>
+
 #include "qkvshare/engine/engine.hpp"
+#include "qkvshare/engine/scheduler.hpp"
 #include "qkvshare/model/model.hpp"
 #include "qkvshare/share/fingerprint.hpp"
 #include "qkvshare/share/handoff.hpp"
@@ -35,7 +38,12 @@ struct ModelBox {
 struct EngineBox {
   std::shared_ptr<ModelBox> model;
   std::unique_ptr<Engine> engine;
-  std::mutex mu;  // one forward pass at a time (the engine's scratch)
+  std::mutex mu;  // one forward pass at a time (the engine's scratch); guards everything below
+  // The engine's step API: every stream and batch of this engine is a request
+  // of this one scheduler, so whichever caller steps it advances them all in
+  // one forward pass per step.
+  std::unique_ptr<Scheduler> scheduler;
+  std::map<RequestId, RequestResult> finished;  // results not yet collected by their caller
 };
 
 // A pool handle; close() drops it (sessions and contexts made from it keep

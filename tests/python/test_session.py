@@ -194,3 +194,23 @@ def test_interleaved_streams(engine):
     pb += list(b)
     assert "".join(pa) == engine.session(kv="int8").generate(PROMPT, max_tokens=30, temperature=0).text
     assert "".join(pb) == engine.session(kv="int8").generate("The cat", max_tokens=30, temperature=0).text
+
+
+def test_generate_batch_equals_alone(engine):
+    prompts = [PROMPT, "The cat", [1, 5, 9, 33]]
+    want = [engine.session(kv="int8").generate(p, max_tokens=20, temperature=0).tokens for p in prompts]
+    sessions = [engine.session(kv="int8") for _ in prompts]
+    got = engine.generate_batch(sessions, prompts, max_tokens=20, temperature=0)
+    assert [r.tokens for r in got] == want
+    assert all(s.pending_token == r.tokens[-1] for s, r in zip(sessions, got))
+    with pytest.raises(q.InvalidArgument, match="also session"):
+        engine.generate_batch([sessions[0], sessions[0]], ["a", "b"])
+    with pytest.raises(q.InvalidArgument, match="prompts"):
+        engine.generate_batch(sessions, ["a"])
+    other = q.Engine(engine.model, threads=1)
+    with pytest.raises(q.InvalidArgument, match="another engine"):
+        other.generate_batch([sessions[0]], ["a"])
+    full = engine.session(kv="int8", capacity=8)
+    with pytest.raises(q.ContextFull):
+        engine.generate_batch([sessions[1], full], [" more", list(range(1, 20))])
+    assert sessions[1].generate(" and", max_tokens=2, temperature=0).tokens  # nothing left running
