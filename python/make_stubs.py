@@ -51,6 +51,7 @@ REPLACE = [
     ("def check(self, descriptor: Descriptor, verify: bool = False) -> dict:",
      "def check(self, descriptor: Descriptor, verify: bool = False) -> dict[str, Any]:"),
     ("def handoff(self) -> dict:", "def handoff(self) -> dict[str, Any]:"),
+    ("prompts: list,", "prompts: Sequence[str | Sequence[int]],"),
 ]
 
 
