@@ -84,6 +84,7 @@ class Run {
                        (std::size_t{32} << 20);
         pool_ = SharePool::create_anonymous(config);
         pool_->kv_pool(shape);
+        if (opts.tiers.budget_bytes > 0) tiers_ = std::make_unique<ContextTiers>(*pool_, opts.tiers);
       }
     }
     report_.load_seconds = since(t0);
@@ -95,10 +96,14 @@ class Run {
   RunReport run() {
     const auto t0 = Clock::now();
     int index = 0;
+    for (std::size_t p = 0; p < wf_.order.size(); ++p)
+      position_[wf_.steps[static_cast<std::size_t>(wf_.order[p])].id] = static_cast<int>(p);
     for (int i : wf_.order) {
       const StepSpec& step = wf_.steps[static_cast<std::size_t>(i)];
       progress(fmt::format("[{}/{}] {} ({}): running", ++index, wf_.steps.size(), step.id, step.agent));
+      if (tiers_) tiers_->step_started(index - 1);  // prefetch what the next step needs
       StepMetrics m = run_step(step);
+      if (tiers_) tiers_->step_finished(index - 1);  // evict until the budget holds
       progress(fmt::format("[{}/{}] {}: {} | prefill {} computed, {} reused | {} new tokens | ttft {:.3f} s | {:.2f} s",
                            index, wf_.steps.size(), step.id, m.handoff, m.prefill_computed, m.prefill_reused,
                            m.decode_tokens, m.ttft_seconds, m.seconds));
@@ -108,6 +113,8 @@ class Run {
       release_finished_inputs(step);
     }
     report_.total_seconds = since(t0);
+    if (tiers_) report_.tiers = tiers_->stats();
+    tiers_.reset();  // removes the spill files
     if (pool_) {
       const ShareStats st = pool_->stats();
       report_.contexts_alive_at_end = st.contexts;
@@ -168,9 +175,13 @@ class Run {
       const auto h0 = Clock::now();
       HandoffOptions ho;
       ho.capacity = opts_.context;
-      HandoffResult h = open_session(*pool_, *rt.engine, fingerprint_, up.grants.at(step.id), step.id, ho);
-      pool_->release(up.grants.at(step.id), step.id);  // the session holds its own block references
+      // Under a budget the context may be on disk: acquire restores it (or
+      // waits for its prefetch) and gives the descriptor of the live copy.
+      const Descriptor d = tiers_ ? tiers_->acquire(base->from, step.id) : up.grants.at(step.id);
+      HandoffResult h = open_session(*pool_, *rt.engine, fingerprint_, d, step.id, ho);
+      pool_->release(d, step.id);  // the session holds its own block references
       up.grants.erase(step.id);
+      if (tiers_) tiers_->consumed(base->from, step.id);
       m.handoff_seconds = since(h0);
       session = std::move(h.session);
       m.handoff = h.kv ? std::string(to_string(base->mode)) : "fallback:" + std::string(to_string(h.fallback));
@@ -248,6 +259,7 @@ class Run {
     const SealedContext sealed = seal_session(*pool_, *runtime(step.agent).engine, fingerprint_, session, step.id);
     for (const auto& c : consumers) result.grants.emplace(c, pool_->grant(sealed, step.id, c));
     pool_->release(sealed);
+    if (tiers_) tiers_->add(step.id, result.grants, position_);
   }
 
   // Text outputs are plain strings; nothing to release for them. Context
@@ -260,6 +272,8 @@ class Run {
   std::map<std::string, std::unique_ptr<Runtime>> runtimes_;
   std::unique_ptr<Runtime> shared_;
   std::shared_ptr<SharePool> pool_;
+  std::unique_ptr<ContextTiers> tiers_;  // only under a budget
+  std::map<std::string, int> position_;  // step id -> place in the run order
   ModelFingerprint fingerprint_;
   std::map<std::string, StepResult> results_;
   std::map<std::string, std::string> outputs_;

@@ -16,6 +16,7 @@
 
 #include "qkvshare/agents/workflow.hpp"
 #include "qkvshare/model/tokenizer.hpp"
+#include "qkvshare/tiers/context_tiers.hpp"
 
 namespace qkvshare::agents {
 
@@ -33,6 +34,9 @@ struct RunOptions {
   // formats change from the 8-bit activation rounding, which amplifies any perturbation.
   bool exact_matmul = false;
   std::function<void(const std::string&)> progress;  // one line per event, for stderr
+  // qkvshare mode: a pool byte budget for contexts at rest, with disk spill
+  // and prefetch (tiers/context_tiers.hpp); budget_bytes 0 turns it off.
+  TierOptions tiers;
 };
 
 struct StepMetrics {
@@ -62,6 +66,7 @@ struct RunReport {
   int prefill_reused = 0;
   int contexts_alive_at_end = 0;       // sealed contexts left in the pool (0 when lifetimes are right)
   std::size_t pool_blocks_used_at_end = 0;
+  TierStats tiers;                     // what the budget moved (RunOptions::tiers)
   std::string json() const;
   static RunReport from_json(const std::string& text);
 };
