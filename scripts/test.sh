@@ -10,6 +10,8 @@ if model=$(scripts/fetch_model.sh); then
 else
   echo "*** WARNING: the default model could not be fetched; SmolLM2 tests will be SKIPPED. ***" >&2
 fi
+echo "[test] Python package: pip install . into a fresh venv (build-python/venv)" >&2
+scripts/python_package.sh
 echo "[test] release build: full suite" >&2
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 echo "[test] ARM64: cross build, the emulation-labelled C++ tests under qemu-user" >&2
@@ -17,7 +19,7 @@ scripts/test_aarch64.sh
 echo "[test] ASan+UBSan build: C++ tests (the server's HTTP tests run in the release build only)" >&2
 BUILD_DIR=build-asan BUILD_TYPE=Debug scripts/build.sh -DQKVSHARE_SANITIZE=ON -DQKVSHARE_BUILD_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE "reference|slow|server"
+  ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE "reference|slow|server|python"
 echo "[test] ThreadSanitizer build: the concurrent parts (thread pool, KV pool, share layer, batched passes and scheduler, tiers' prefetch)" >&2
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_TSAN=ON -DQKVSHARE_BUILD_BENCH=OFF >&2
 cmake --build build-tsan -j "$(nproc)" --target test_core test_kv test_share test_engine test_tiers >&2
