@@ -11,11 +11,21 @@ std::string TurnFormat::open(const std::string& system, const std::string& user)
   return tmpl_.format(turns, /*add_generation_prompt=*/true);
 }
 
-std::string TurnFormat::open_user(const std::string& system) const {
-  return (system.empty() ? "" : turn("system", system)) + (chatml_ ? "<|im_start|>user\n" : "");
+// The template is applied to a marker in place of the user's content and cut
+// around it, so the two halves hold for every chat template the model layer knows.
+namespace {
+constexpr const char* kUserMark = "\x01qkvshare-user-content\x01";
+std::pair<std::string, std::string> split_user(const TurnFormat& f, const std::string& system) {
+  const std::string full = f.open(system, kUserMark);
+  const std::size_t at = full.find(kUserMark);
+  QKV_CHECK(at != std::string::npos);
+  return {full.substr(0, at), full.substr(at + std::char_traits<char>::length(kUserMark))};
 }
+}  // namespace
 
-std::string TurnFormat::close_user() const { return chatml_ ? "<|im_end|>\n<|im_start|>assistant\n" : "\n"; }
+std::string TurnFormat::open_user(const std::string& system) const { return split_user(*this, system).first; }
+
+std::string TurnFormat::close_user() const { return split_user(*this, "").second; }
 
 std::string TurnFormat::append(const std::string& system, const std::string& user) const {
   // The previous reply is still open: close it, then open the new turn.

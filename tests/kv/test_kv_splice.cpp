@@ -9,6 +9,7 @@
 #include "kv_test_util.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kernels/ops.hpp"
+#include "qkvshare/kernels/isa.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
@@ -124,8 +125,10 @@ struct Case {
 
 std::vector<AttendPath> every_path() {
   std::vector<AttendPath> paths{AttendPath::scalar};
-  if (kv::kv_isa_supported(kv::KvIsa::avx2)) paths.push_back(AttendPath::avx2);
-  if (kv::kv_isa_supported(kv::KvIsa::avx512)) paths.push_back(AttendPath::avx512);
+  if (kernels::isa_available(kernels::Isa::avx2)) paths.push_back(AttendPath::avx2);
+  if (kernels::isa_available(kernels::Isa::avx512)) paths.push_back(AttendPath::avx512);
+  if (kernels::isa_available(kernels::Isa::neon)) paths.push_back(AttendPath::neon);
+  if (kernels::isa_available(kernels::Isa::neon_dot)) paths.push_back(AttendPath::neon_dot);
   return paths;
 }
 
