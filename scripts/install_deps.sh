@@ -40,6 +40,7 @@ ARM64_PACKAGES=(
   g++-aarch64-linux-gnu qemu-user file
   libc6:arm64 libstdc++6:arm64 libfmt-dev:arm64 libgtest-dev:arm64
   libpcre2-dev:arm64 libxxhash-dev:arm64 libyaml-cpp0.7:arm64
+  libsodium-dev:arm64 libhiredis-dev:arm64 libcpp-httplib-dev:arm64  # tiers and server layers (the CLI links them)
 )
 if [ "${QKVSHARE_SKIP_ARM64:-0}" != 1 ] && [ "$(dpkg --print-architecture)" = amd64 ]; then
   SUDO=""
