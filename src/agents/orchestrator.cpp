@@ -1,12 +1,15 @@
 #include "qkvshare/agents/orchestrator.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/generate.hpp"
+#include "qkvshare/engine/scheduler.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 #include "qkvshare/share/handoff.hpp"
 #include "transcript.hpp"
@@ -47,6 +50,18 @@ struct Runtime {
   std::unique_ptr<Model> model;
   std::unique_ptr<Engine> engine;
   std::shared_ptr<KvPool> private_pool;
+  std::unique_ptr<Scheduler> scheduler;  // made on first use
+};
+
+// A step between its preparation and its end.
+struct Running {
+  int step_index = 0;
+  std::chrono::steady_clock::time_point t0, submitted;
+  StepMetrics m;
+  std::unique_ptr<Session> session;
+  std::vector<TokenId> feed;
+  std::string transcript;
+  int n0 = 0;  // session tokens before the feed
 };
 
 // What a finished step leaves for its consumers.
@@ -66,11 +81,13 @@ class Run {
       // Each agent that runs a step is its own engine with its own weights.
       for (const auto& s : wf.steps) {
         if (runtimes_.count(s.agent)) continue;
-        runtimes_[s.agent] = load(model_path, tok_path, MappedFile::Mode::private_copy, true);
+        runtimes_[s.agent] = load(model_path, tok_path, MappedFile::Mode::private_copy, 2);
         report_.weight_copies_bytes += runtimes_[s.agent]->model->weight_bytes();
       }
     } else {
-      shared_ = load(model_path, tok_path, MappedFile::Mode::shared, opts.mode == RunMode::shared_text);
+      // Text handoffs in one engine: a private pool with room for every step's context at once (concurrent steps).
+      shared_ = load(model_path, tok_path, MappedFile::Mode::shared,
+                     opts.mode == RunMode::shared_text ? static_cast<int>(wf.steps.size()) + 1 : 0);
       report_.weight_copies_bytes = shared_->model->weight_bytes();
       if (opts.mode == RunMode::qkvshare) {
         fingerprint_ = model_fingerprint(*shared_->model);
@@ -92,21 +109,80 @@ class Run {
     report_.kv = opts.mode == RunMode::qkvshare ? opts.kv : "f16";
   }
 
+  // Starts every step whose inputs are done, advances all running steps by
+  // one scheduler pass (so ready steps of one engine share forward passes),
+  // completes those that finished, repeats. Independent agents are separate
+  // engines, one step at a time as separate model instances would run.
   RunReport run() {
     const auto t0 = Clock::now();
+    const std::size_t n = wf_.steps.size();
+    const bool concurrent = opts_.concurrent && opts_.mode != RunMode::independent;
+    std::vector<char> started(n, 0), done(n, 0);
+    std::vector<std::optional<StepMetrics>> metrics(n);
+    std::map<const Runtime*, std::map<RequestId, Running>> running;
+    std::size_t finished = 0, in_flight = 0;
     int index = 0;
-    for (int i : wf_.order) {
-      const StepSpec& step = wf_.steps[static_cast<std::size_t>(i)];
-      progress(fmt::format("[{}/{}] {} ({}): running", ++index, wf_.steps.size(), step.id, step.agent));
-      StepMetrics m = run_step(step);
+    const auto complete = [&](Running& r, const RequestResult* result) {
+      const int i = r.step_index;
+      StepMetrics m = complete_step(r, result);
+      const std::size_t pos = static_cast<std::size_t>(std::find(wf_.order.begin(), wf_.order.end(), i) - wf_.order.begin());
       progress(fmt::format("[{}/{}] {}: {} | prefill {} computed, {} reused | {} new tokens | ttft {:.3f} s | {:.2f} s",
-                           index, wf_.steps.size(), step.id, m.handoff, m.prefill_computed, m.prefill_reused,
-                           m.decode_tokens, m.ttft_seconds, m.seconds));
+                           pos + 1, n, m.step, m.handoff, m.prefill_computed, m.prefill_reused, m.decode_tokens,
+                           m.ttft_seconds, m.seconds));
       report_.prefill_computed += m.prefill_computed;
       report_.prefill_reused += m.prefill_reused;
-      report_.steps.push_back(std::move(m));
-      release_finished_inputs(step);
+      metrics[pos] = std::move(m);
+      done[static_cast<std::size_t>(i)] = 1;
+      ++finished;
+      release_finished_inputs(wf_.steps[static_cast<std::size_t>(i)]);
+    };
+    while (finished < n) {
+      for (int i : wf_.order) {
+        const StepSpec& step = wf_.steps[static_cast<std::size_t>(i)];
+        if (started[static_cast<std::size_t>(i)] || (!concurrent && in_flight > 0)) continue;
+        bool ready = true;
+        for (const StepInput& in : step.inputs) ready = ready && done[static_cast<std::size_t>(index_of(in.from))];
+        if (!ready) continue;
+        started[static_cast<std::size_t>(i)] = 1;
+        progress(fmt::format("[{}/{}] {} ({}): running", ++index, n, step.id, step.agent));
+        Running r = prepare_step(i);
+        r.m.start_seconds = std::chrono::duration<double>(r.t0 - t0).count();
+        if (r.feed.empty()) {
+          complete(r, nullptr);
+          continue;
+        }
+        Runtime& rt = runtime(step.agent);
+        Scheduler& sched = scheduler(rt);
+        Request req;
+        req.session = r.session.get();
+        req.prompt = r.feed;
+        req.options = generate_options(step);
+        r.submitted = Clock::now();
+        const RequestId id = sched.submit(std::move(req));
+        running[&rt].emplace(id, std::move(r));
+        ++in_flight;
+      }
+      if (in_flight == 0) {
+        QKV_CHECK(finished == n || std::count(started.begin(), started.end(), 1) > static_cast<long>(finished));
+        continue;
+      }
+      for (auto& [rt, steps] : running) {
+        if (steps.empty()) continue;
+        Scheduler& sched = scheduler(*const_cast<Runtime*>(rt));
+        sched.step();
+        ++report_.forward_passes;
+        sample_peak_kv();
+        for (RequestResult& res : sched.take_finished()) {
+          auto it = steps.find(res.id);
+          QKV_CHECK(it != steps.end());
+          if (res.error) throw *res.error;  // the workflow fails as generate() would have
+          complete(it->second, &res);
+          steps.erase(it);
+          --in_flight;
+        }
+      }
     }
+    for (auto& m : metrics) report_.steps.push_back(std::move(*m));
     report_.total_seconds = since(t0);
     if (pool_) {
       const ShareStats st = pool_->stats();
@@ -117,18 +193,20 @@ class Run {
   }
 
  private:
+  // private_contexts > 0: a private f16 pool with room for that many full contexts.
   std::unique_ptr<Runtime> load(const std::string& path, const std::string& tok, MappedFile::Mode mode,
-                                bool private_pool) {
+                                int private_contexts) {
     auto r = std::make_unique<Runtime>();
     r->model = Model::load(path, tok, mode);
     EngineOptions eo;
     eo.n_threads = opts_.threads;
     eo.exact_matmul = opts_.exact_matmul;
     r->engine = std::make_unique<Engine>(*r->model, eo);
-    if (private_pool) {
+    if (private_contexts > 0) {
       PoolConfig pc;
       pc.shape = r->engine->kv_shape();
-      pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, pc.block_tokens, KvFormat::parse("f16"), opts_.context, 2);
+      pc.capacity_bytes =
+          KvPool::arena_bytes_for(pc.shape, pc.block_tokens, KvFormat::parse("f16"), opts_.context, private_contexts);
       r->private_pool = KvPool::create(pc);
     }
     return r;
@@ -142,13 +220,44 @@ class Run {
     if (opts_.progress) opts_.progress(line);
   }
 
-  std::size_t live_kv_bytes(const Session& current) const {
-    if (pool_) return pool_->stats().kv.bytes_used;
-    const auto* pooled = dynamic_cast<const PooledKvCache*>(&current.cache());
+  static std::size_t session_kv_bytes(const Session& session) {
+    const auto* pooled = dynamic_cast<const PooledKvCache*>(&session.cache());
     return pooled != nullptr ? pooled->kv_bytes() : 0;
   }
 
-  StepMetrics run_step(const StepSpec& step) {
+  // KV bytes held at once right now (every live session and sealed context),
+  // sampled after every scheduler pass and step completion.
+  void sample_peak_kv() {
+    std::size_t live = 0;
+    if (pool_) {
+      live = pool_->stats().kv.bytes_used;
+    } else {
+      if (shared_ && shared_->private_pool) live += shared_->private_pool->counters().bytes_used;
+      for (const auto& [name, rt] : runtimes_)
+        if (rt->private_pool) live += rt->private_pool->counters().bytes_used;
+    }
+    report_.peak_kv_bytes = std::max(report_.peak_kv_bytes, live);
+  }
+
+  int index_of(const std::string& step_id) const {
+    for (std::size_t i = 0; i < wf_.steps.size(); ++i)
+      if (wf_.steps[i].id == step_id) return static_cast<int>(i);
+    fail(ErrorCode::bad_workflow, "{}: no step '{}'", wf_.source, step_id);
+  }
+
+  Scheduler& scheduler(Runtime& rt) {
+    if (!rt.scheduler) {
+      SchedulerOptions so;
+      so.token_budget = opts_.token_budget;
+      rt.scheduler = std::make_unique<Scheduler>(*rt.engine, so);
+    }
+    return *rt.scheduler;
+  }
+
+  // A step's context and the tokens it still has to feed: a new session, an
+  // opened handoff, or a text re-read (every mode's way of preparing a step).
+  Running prepare_step(int step_index) {
+    const StepSpec& step = wf_.steps[static_cast<std::size_t>(step_index)];
     const auto t0 = Clock::now();
     const AgentSpec& agent = wf_.agents.at(step.agent);
     Runtime& rt = runtime(step.agent);
@@ -195,37 +304,59 @@ class Run {
       feed.insert(feed.end(), ids.begin(), ids.end());
     }
 
+    Running r;
+    r.step_index = step_index;
+    r.t0 = t0;
+    r.m = std::move(m);
+    r.session = std::move(session);
+    r.feed = std::move(feed);
+    r.transcript = std::move(transcript);
+    r.n0 = r.session->n_past();
+    return r;
+  }
+
+  GenerateOptions generate_options(const StepSpec& step) const {
+    const AgentSpec& agent = wf_.agents.at(step.agent);
     GenerateOptions go;
     go.max_new_tokens = opts_.max_tokens_cap > 0 ? std::min(agent.max_tokens, opts_.max_tokens_cap) : agent.max_tokens;
     go.sampling = agent.sampling;
     go.stop_strings = agent.stop;
+    return go;
+  }
+
+  // What a finished step leaves: metrics (times from the step's own start),
+  // its output, the seal and grants of its context for the steps building on it.
+  StepMetrics complete_step(Running& r, const RequestResult* g) {
+    const StepSpec& step = wf_.steps[static_cast<std::size_t>(r.step_index)];
+    StepMetrics m = std::move(r.m);
+    std::unique_ptr<Session> session = std::move(r.session);
     StepResult result;
-    if (feed.empty()) {
-      m.ttft_seconds = since(t0);
+    if (g == nullptr) {
+      m.ttft_seconds = since(r.t0);
     } else {
-      const int n0 = session->n_past();
-      const GenerateResult g = generate(*rt.engine, *session, feed, go);
-      m.ttft_seconds = m.handoff_seconds + g.prefill_seconds;
-      m.prefill_computed += g.prefill_tokens;
-      m.decode_tokens = static_cast<int>(g.tokens.size());
-      m.output_tokens = g.tokens;
-      m.output = g.text;
+      // Submission to first token is measured by the scheduler; before it, this step's own preparation.
+      m.ttft_seconds = std::chrono::duration<double>(r.submitted - r.t0).count() + g->ttft_seconds;
+      if (g->generation.tokens.empty()) m.ttft_seconds = since(r.t0);
+      m.prefill_computed += g->generation.prefill_tokens;
+      m.decode_tokens = static_cast<int>(g->generation.tokens.size());
+      m.output_tokens = g->generation.tokens;
+      m.output = g->generation.text;
       // The last sampled token has no KV yet; a continuing consumer feeds it.
-      if (!g.tokens.empty() &&
-          session->n_past() < n0 + static_cast<int>(feed.size()) + static_cast<int>(g.tokens.size()))
-        result.pending.push_back(g.tokens.back());
+      if (!g->generation.tokens.empty() &&
+          session->n_past() < r.n0 + static_cast<int>(r.feed.size()) + static_cast<int>(g->generation.tokens.size()))
+        result.pending.push_back(g->generation.tokens.back());
     }
     result.output = m.output;
-    result.transcript = transcript + m.output;
-    m.kv_bytes = live_kv_bytes(*session);
-    report_.peak_kv_bytes = std::max(report_.peak_kv_bytes, m.kv_bytes);
+    result.transcript = r.transcript + m.output;
+    m.kv_bytes = session_kv_bytes(*session);
+    sample_peak_kv();
 
     if (pool_) hand_over(step, *session, result);
     session.reset();
-    if (pool_) report_.peak_kv_bytes = std::max(report_.peak_kv_bytes, pool_->stats().kv.bytes_used);
+    sample_peak_kv();
     outputs_[step.id] = result.output;
     results_[step.id] = std::move(result);
-    m.seconds = since(t0);
+    m.seconds = since(r.t0);
     return m;
   }
 

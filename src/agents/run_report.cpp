@@ -18,11 +18,13 @@ std::string RunReport::json() const {
   j["prefill_reused"] = prefill_reused;
   j["contexts_alive_at_end"] = contexts_alive_at_end;
   j["pool_blocks_used_at_end"] = pool_blocks_used_at_end;
+  j["forward_passes"] = forward_passes;
   j["steps"] = nlohmann::json::array();
   for (const auto& s : steps) {
     j["steps"].push_back({{"step", s.step},
                           {"agent", s.agent},
                           {"handoff", s.handoff},
+                          {"start_seconds", s.start_seconds},
                           {"ttft_seconds", s.ttft_seconds},
                           {"seconds", s.seconds},
                           {"handoff_seconds", s.handoff_seconds},
@@ -51,11 +53,13 @@ RunReport RunReport::from_json(const std::string& text) {
     r.prefill_reused = j.at("prefill_reused").get<int>();
     r.contexts_alive_at_end = j.at("contexts_alive_at_end").get<int>();
     r.pool_blocks_used_at_end = j.at("pool_blocks_used_at_end").get<std::size_t>();
+    r.forward_passes = j.value("forward_passes", std::uint64_t{0});
     for (const auto& s : j.at("steps")) {
       StepMetrics m;
       m.step = s.at("step").get<std::string>();
       m.agent = s.at("agent").get<std::string>();
       m.handoff = s.at("handoff").get<std::string>();
+      m.start_seconds = s.value("start_seconds", 0.0);
       m.ttft_seconds = s.at("ttft_seconds").get<double>();
       m.seconds = s.at("seconds").get<double>();
       m.handoff_seconds = s.at("handoff_seconds").get<double>();

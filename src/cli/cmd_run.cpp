@@ -25,6 +25,8 @@ struct RunArgs {
   int max_tokens = 0;
   bool compare = false;
   bool quiet = false;
+  bool sequential = false;
+  int token_budget = 128;
   std::string json;
 };
 
@@ -58,6 +60,8 @@ void execute(const Workflow& wf, const RunArgs& a) {
   opts.exact_matmul = a.model.exact_matmul;
   opts.context = a.ctx;
   opts.max_tokens_cap = a.max_tokens;
+  opts.concurrent = !a.sequential;
+  opts.token_budget = a.token_budget;
   if (!a.quiet) opts.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   if (!a.compare) {
     const RunReport r = run_workflow(wf, a.model.model_path, a.model.tokenizer_path, opts);
@@ -91,6 +95,10 @@ void add_common(CLI::App& cmd, RunArgs& a) {
   cmd.add_option("--ctx", a.ctx, "Token capacity of each session")->check(CLI::Range(16, 1 << 20));
   cmd.add_option("--max-tokens", a.max_tokens, "Cap every agent's new tokens (0: as the workflow says)")
       ->check(CLI::Range(0, 1 << 20));
+  cmd.add_flag("--sequential", a.sequential, "One step at a time (default: ready steps share forward passes)");
+  cmd.add_option("--token-budget", a.token_budget, "Tokens per scheduler pass (prompt chunks + decode tokens)")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
   cmd.add_flag("--compare", a.compare, "Run in every mode and print one comparison table");
   cmd.add_flag("-q,--quiet", a.quiet, "No progress lines on stderr");
   cmd.add_option("--json", a.json, "Write the report (or the comparison) as JSON to FILE");

@@ -10,6 +10,7 @@
 // Text edges (a step reading another's output inside its prompt) are text in
 // every mode.
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -32,19 +33,25 @@ struct RunOptions {
   // Float activations in every matmul (EngineOptions::exact_matmul): slow; isolates what the KV
   // formats change from the 8-bit activation rounding, which amplifies any perturbation.
   bool exact_matmul = false;
+  // Steps whose inputs are ready run at once through the engine's scheduler
+  // (their decode tokens share forward passes); false: one step at a time.
+  // Independent mode is always one at a time (separate engines).
+  bool concurrent = true;
+  int token_budget = 128;   // tokens per scheduler pass (prompt chunks + decode tokens)
   std::function<void(const std::string&)> progress;  // one line per event, for stderr
 };
 
 struct StepMetrics {
   std::string step, agent;
   std::string handoff;        // "new", "text", "continue", "fork", or "fallback:<reason>"
+  double start_seconds = 0;   // when the step started, from the start of the run
   double ttft_seconds = 0;    // step start to the first generated token (handoff included)
-  double seconds = 0;         // the whole step
+  double seconds = 0;         // the whole step, from its own start (concurrent steps overlap)
   double handoff_seconds = 0; // opening the upstream context
   int prefill_computed = 0;   // tokens run through the model before the first new token
   int prefill_reused = 0;     // upstream tokens whose KV was reused instead
   int decode_tokens = 0;
-  std::size_t kv_bytes = 0;   // KV bytes of this step's context when it ends
+  std::size_t kv_bytes = 0;   // KV bytes of this step's context when it ends (shared blocks included)
   std::vector<TokenId> output_tokens;
   std::string output;
 };
@@ -62,6 +69,7 @@ struct RunReport {
   int prefill_reused = 0;
   int contexts_alive_at_end = 0;       // sealed contexts left in the pool (0 when lifetimes are right)
   std::size_t pool_blocks_used_at_end = 0;
+  std::uint64_t forward_passes = 0;    // scheduler passes (concurrent steps share them)
   std::string json() const;
   static RunReport from_json(const std::string& text);
 };
