@@ -35,3 +35,8 @@ if ! .venv/bin/python -c "import numpy, gguf, tokenizers, pytest" 2>/dev/null; t
   echo "[setup] installing Python packages from tests/reference/requirements.txt" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/reference/requirements.txt >&2
 fi
+# The benchmark scripts' plots (bench/*.py); README lists it.
+if ! .venv/bin/python -c "import matplotlib" 2>/dev/null; then
+  echo "[setup] installing matplotlib for the benchmark plots" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check matplotlib==3.11.2 >&2
+fi
