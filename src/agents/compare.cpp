@@ -20,7 +20,7 @@ std::string ModeSpec::label() const {
 std::vector<ModeSpec> default_comparison() {
   return {{RunMode::qkvshare, "f32"},  {RunMode::independent, "f16"}, {RunMode::shared_text, "f16"},
           {RunMode::qkvshare, "f16"},  {RunMode::qkvshare, "int8"},   {RunMode::qkvshare, "int4"},
-          {RunMode::qkvshare, "int2"}};
+          {RunMode::qkvshare, "int2"}, {RunMode::solo, "f16"}};
 }
 
 namespace {
@@ -85,12 +85,24 @@ std::vector<ComparedRun> compare_modes(const Workflow& wf, const std::string& mo
   std::vector<ComparedRun> runs;
   for (const auto& spec : modes) {
     if (base.progress) base.progress("=== " + spec.label() + " ===");
-    runs.push_back(run_in_child(wf, model_path, tokenizer_path, base, spec));
+    RunOptions opts = base;
+    if (spec.mode == RunMode::solo) {
+      // Equal work: the solo agent writes answers as long as the reference run's (f32 QKVShare, else the first run).
+      const ComparedRun* ref = runs.empty() ? nullptr : &runs.front();
+      for (const auto& r : runs)
+        if (r.spec.mode == RunMode::qkvshare && r.spec.kv == "f32") ref = &r;
+      if (ref != nullptr)
+        for (const auto& s : ref->report.steps) opts.solo_tokens[s.step] = s.decode_tokens;
+    }
+    runs.push_back(run_in_child(wf, model_path, tokenizer_path, opts, spec));
   }
   // The f32-KV QKVShare run is the reference for output agreement.
   const RunReport* ref = nullptr;
-  for (const auto& r : runs)
+  const ComparedRun* solo = nullptr;
+  for (const auto& r : runs) {
     if (r.spec.mode == RunMode::qkvshare && r.spec.kv == "f32") ref = &r.report;
+    if (r.spec.mode == RunMode::solo) solo = &r;
+  }
   for (auto& r : runs) {
     std::size_t same = 0, total = 0;
     double ttft = 0;
@@ -110,21 +122,31 @@ std::vector<ComparedRun> compare_modes(const Workflow& wf, const std::string& mo
     }
     r.agreement = total == 0 ? 1.0 : static_cast<double>(same) / static_cast<double>(total);
     r.consumer_ttft = consumers == 0 ? 0.0 : ttft / consumers;
+    if (solo != nullptr && solo->report.total_seconds > 0 && solo->peak_rss_bytes > 0) {
+      r.team_time = r.report.total_seconds / solo->report.total_seconds;
+      r.team_rss = static_cast<double>(r.peak_rss_bytes) / static_cast<double>(solo->peak_rss_bytes);
+      r.team_kv = solo->report.peak_kv_bytes == 0 ? 0.0
+                                                   : static_cast<double>(r.report.peak_kv_bytes) /
+                                                         static_cast<double>(solo->report.peak_kv_bytes);
+    }
   }
   return runs;
 }
 
 std::string format_comparison(const std::vector<ComparedRun>& runs) {
-  std::string out = fmt::format("{:<16} {:>9} {:>12} {:>9} {:>9} {:>10} {:>10} {:>9}\n", "mode", "e2e s",
-                                "consumer TTFT", "prefill", "reused", "peak KV", "peak RSS", "agree");
-  out += fmt::format("{:<16} {:>9} {:>12} {:>9} {:>9} {:>10} {:>10} {:>9}\n", "", "", "s", "tokens", "tokens", "MiB",
-                     "MiB", "vs f32");
+  std::string out = fmt::format("{:<16} {:>9} {:>12} {:>9} {:>9} {:>10} {:>10} {:>9} {:>11}\n", "mode", "e2e s",
+                                "consumer TTFT", "prefill", "reused", "peak KV", "peak RSS", "agree", "team");
+  out += fmt::format("{:<16} {:>9} {:>12} {:>9} {:>9} {:>10} {:>10} {:>9} {:>11}\n", "", "", "s", "tokens", "tokens",
+                     "MiB", "MiB", "vs f32", "time / RSS");
   for (const auto& r : runs) {
-    out += fmt::format("{:<16} {:>9.2f} {:>12.4f} {:>9} {:>9} {:>10.2f} {:>10.1f} {:>8.1f}%\n", r.spec.label(),
+    const std::string agree = r.spec.mode == RunMode::solo ? "-" : fmt::format("{:.1f}%", 100.0 * r.agreement);
+    const std::string team = r.team_time > 0 ? fmt::format("{:.2f} / {:.2f}", r.team_time, r.team_rss) : "-";
+    out += fmt::format("{:<16} {:>9.2f} {:>12.4f} {:>9} {:>9} {:>10.2f} {:>10.1f} {:>9} {:>11}\n", r.spec.label(),
                        r.report.total_seconds, r.consumer_ttft, r.report.prefill_computed, r.report.prefill_reused,
                        static_cast<double>(r.report.peak_kv_bytes) / (1 << 20),
-                       static_cast<double>(r.peak_rss_bytes) / (1 << 20), 100.0 * r.agreement);
+                       static_cast<double>(r.peak_rss_bytes) / (1 << 20), agree, team);
   }
+  out += "team: e2e time and peak RSS over those of one agent (solo) writing the same answers in one f16 session.\n";
   return out;
 }
 
@@ -136,6 +158,9 @@ std::string comparison_json(const std::vector<ComparedRun>& runs) {
     e["peak_rss_bytes"] = r.peak_rss_bytes;
     e["agreement"] = r.agreement;
     e["consumer_ttft_seconds"] = r.consumer_ttft;
+    e["team_time"] = r.team_time;
+    e["team_rss"] = r.team_rss;
+    e["team_kv"] = r.team_kv;
     j.push_back(std::move(e));
   }
   return j.dump(2);

@@ -178,6 +178,26 @@ steps:
   }
 }
 
+// The team overhead's denominator: one session writes every answer, each as
+// long as asked, the material read once (nothing recomputed, nothing reused).
+TEST(Orchestrator, SoloWritesEveryAnswerInOneSession) {
+  const Workflow wf = Workflow::parse(kChain, "chain.yaml");
+  RunOptions o = options(RunMode::solo, "f16");
+  o.solo_tokens = {{"first", 25}, {"second", 7}};
+  const RunReport r = run_workflow(wf, kModel, kTok, o);
+  ASSERT_EQ(r.steps.size(), 2u);
+  EXPECT_EQ(r.mode, RunMode::solo);
+  EXPECT_EQ(r.steps[0].decode_tokens, 25);
+  EXPECT_EQ(r.steps[1].decode_tokens, 7);
+  EXPECT_EQ(r.prefill_reused, 0);
+  // The second turn feeds only its own prompt (and the first answer's last token), not the first step's text.
+  const auto& tok_model = Model::load(kModel, kTok);
+  const auto second = tok_model->tokenizer().encode("\nThe next day the cat\n", true);
+  EXPECT_EQ(r.steps[1].prefill_computed, static_cast<int>(second.size()) + 1);
+  EXPECT_GT(r.peak_kv_bytes, 0u);
+  EXPECT_EQ(parse_run_mode("solo"), RunMode::solo);
+}
+
 TEST(Orchestrator, TokenAgreement) {
   EXPECT_DOUBLE_EQ(token_agreement({1, 2, 3}, {1, 2, 3}), 1.0);
   EXPECT_DOUBLE_EQ(token_agreement({1, 2, 3, 4}, {1, 2}), 0.5);

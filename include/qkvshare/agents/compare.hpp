@@ -17,7 +17,8 @@ struct ModeSpec {
 };
 
 // The default comparison: independent, shared-text, qkvshare with f32 (the
-// reference), f16, int8, int4 and int2 KV.
+// reference), f16, int8, int4 and int2 KV, then solo (for the team overhead;
+// its answers are as long as the reference run's).
 std::vector<ModeSpec> default_comparison();
 
 struct ComparedRun {
@@ -26,6 +27,8 @@ struct ComparedRun {
   std::size_t peak_rss_bytes = 0;
   double agreement = 0;         // greedy tokens equal to the reference run, over all steps
   double consumer_ttft = 0;     // mean time to first token of steps that have upstream inputs
+  // Team overhead: this run's e2e time, peak RSS and peak KV over the solo run's (0 without one).
+  double team_time = 0, team_rss = 0, team_kv = 0;
 };
 
 std::vector<ComparedRun> compare_modes(const Workflow& wf, const std::string& model_path,
