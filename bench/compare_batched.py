@@ -27,7 +27,12 @@ import compare_llamacpp as cl  # noqa: E402  (model paths, synthetic models, log
 
 ROOT = cl.ROOT
 MODELS = {"smollm2-135m-instruct-Q4_1": "0,2048", "llama3.2-1b-Q4_0": "0"}
+MODEL_KV = {"llama3.2-1b-Q4_0": "f16"}  # without --kv: the 1B shape decodes slowly, one format
 BEGIN, END = "<!-- batched:begin -->", "<!-- batched:end -->"
+
+
+def shared(depth, a):
+    return depth >= a.shared_prefix_from
 
 
 def llama_batched(exe, model, depth, a):
@@ -35,6 +40,8 @@ def llama_batched(exe, model, depth, a):
     n_kv = max(a.batches) * (pp + a.n_gen) + 16
     cmd = [exe, "-m", model, "-c", n_kv, "-b", 2048, "-ub", 512, "-npp", pp, "-ntg", a.n_gen,
            "-npl", ",".join(map(str, a.batches)), "-t", a.threads, "-tb", a.threads, "--output-format", "jsonl"]
+    if shared(depth, a):
+        cmd.append("-pps")
     cl.log("$ " + " ".join(map(str, cmd)))
     p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=dict(os.environ, **a.llama_env))
     if p.returncode != 0:
@@ -44,9 +51,11 @@ def llama_batched(exe, model, depth, a):
     return {int(r["pl"]): float(r["speed_tg"]) for r in rows}, env + " ".join(map(str, cmd))
 
 
-def qkvshare_batched(qkv, model, depth, a, tmp):
+def qkvshare_batched(qkv, model, depth, kv, a, tmp):
     cmd = [qkv, "bench", "-m", model, "--threads", a.threads, "-r", 1, "-n", a.n_gen, "-d", max(depth, 1),
-           "--batch", ",".join(map(str, a.batches)), "--kv", a.kv, "--json", tmp]
+           "--batch", ",".join(map(str, a.batches)), "--kv", kv, "--json", tmp]
+    if shared(depth, a):
+        cmd.append("--shared-prefix")
     cl.log("$ " + " ".join(map(str, cmd)))
     subprocess.run([str(c) for c in cmd], check=True, stdout=subprocess.DEVNULL)
     out = {}
@@ -66,7 +75,8 @@ def report(result):
     for m in result["models"]:
         for d in m["depths"]:
             cols = list(m["engines"])
-            lines.append(f"\n**{m['name']}, context depth {d}** (aggregate decode tokens/s, median of "
+            pps = ", one prompt shared by all sessions" if d in m.get("shared_prefix_depths", []) else ""
+            lines.append(f"\n**{m['name']}, context depth {d}{pps}** (aggregate decode tokens/s, median of "
                          f"{result['reps']}; in brackets: x of the same engine's batch 1)\n")
             lines.append("| batch | " + " | ".join(cols) + " | " +
                          " | ".join(f"{c} / llama.cpp" for c in cols if c != "llama.cpp") + " |")
@@ -122,7 +132,10 @@ def main():
     p.add_argument("--models", nargs="+", default=list(MODELS), help=f"any of: {' '.join(cl.ALL_MODELS)}")
     p.add_argument("--depths", help="context depths for every model (default: 0,2048 SmolLM2, 0 the 1B shape)")
     p.add_argument("--batches", default="1,2,4,8")
-    p.add_argument("--kv", default="f16,int8,int4", help="QKVShare KV formats")
+    p.add_argument("--kv", help="QKVShare KV formats (default f16,int8,int4; f16 for the 1B shape)")
+    p.add_argument("--shared-prefix-from", type=int, default=1024,
+                   help="from this depth on, the B sessions share one filled prompt (llama -pps, qkvshare "
+                        "--shared-prefix, as a fan-out's forks do): one fill instead of B")
     p.add_argument("--n-gen", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
@@ -152,11 +165,12 @@ def main():
     tmp = a.out_dir / f".batched-{stamp}.json"
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     result = {"timestamp_utc": stamp, "llama_env": a.llama_env, "threads": a.threads, "reps": a.reps, "n_gen": a.n_gen, "batches": a.batches,
-              "kv": a.kv, "uptime_start": uptime, "argv": sys.argv, "commands": [], "models": []}
+              "kv": a.kv or "default", "uptime_start": uptime, "argv": sys.argv, "commands": [], "models": []}
     for mi, (name, path) in enumerate(paths.items()):
         depths = [int(d) for d in (a.depths or MODELS.get(name, "0")).split(",")]
         engines = {k: {} for k in llamas}
-        for kv in a.kv.split(","):
+        kvs = a.kv or MODEL_KV.get(name, "f16,int8,int4")
+        for kv in kvs.split(","):
             engines[f"qkvshare:{kv}"] = {}
         for rep in range(a.reps):
             for d in depths:
@@ -168,13 +182,14 @@ def main():
                             for b, v in speeds.items():
                                 engines[label].setdefault(str(d), {}).setdefault(str(b), []).append(v)
                     else:
-                        speeds, cmd = qkvshare_batched(a.qkvshare, path, d, a, tmp)
+                        speeds, cmd = qkvshare_batched(a.qkvshare, path, d, kvs, a, tmp)
                         for (kv, b), v in speeds.items():
                             engines[f"qkvshare:{kv}"].setdefault(str(d), {}).setdefault(str(b), []).append(v)
                     if rep == 0:
                         result["commands"].append(cmd)
                     cl.log(f"{name} d{d} rep {rep + 1}: {which} done")
-        result["models"].append({"name": name, "path": str(path), "depths": depths, "engines": engines})
+        result["models"].append({"name": name, "path": str(path), "depths": depths, "engines": engines,
+                                 "shared_prefix_depths": [d for d in depths if shared(d, a)]})
     tmp.unlink(missing_ok=True)
     result["uptime_end"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     out = a.out_dir / f"batched-{stamp}.json"

@@ -121,7 +121,7 @@ class Run {
     const bool concurrent = opts_.concurrent && opts_.mode != RunMode::independent;
     std::vector<char> started(n, 0), done(n, 0);
     std::vector<std::optional<StepMetrics>> metrics(n);
-    std::map<const Runtime*, std::map<RequestId, Running>> running;
+    std::map<Runtime*, std::map<RequestId, Running>> running;
     std::size_t finished = 0, in_flight = 0;
     int index = 0;
     const auto complete = [&](Running& r, const RequestResult* result) {
@@ -170,7 +170,7 @@ class Run {
       }
       for (auto& [rt, steps] : running) {
         if (steps.empty()) continue;
-        Scheduler& sched = scheduler(*const_cast<Runtime*>(rt));
+        Scheduler& sched = scheduler(*rt);
         sched.step();
         ++report_.forward_passes;
         sample_peak_kv();

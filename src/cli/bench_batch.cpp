@@ -69,11 +69,12 @@ nlohmann::json run_batch_bench(Engine& engine, const BatchBenchArgs& a) {
         // batch size reads the same KV as a fresh fill would give it).
         std::vector<std::unique_ptr<PooledKvCache>> bases;
         std::vector<std::vector<TokenId>> base_tokens;
-        for (int s = 0; s < max_b; ++s) {
+        const int n_bases = a.shared_prefix ? 1 : max_b;
+        for (int s = 0; s < n_bases; ++s) {
           Session fill(std::make_unique<PooledKvCache>(pool, f, capacity));
           if (depth > 0) {
             std::fprintf(stderr, "[bench] %s d%d rep %d/%d: filling context %d/%d with %d tokens\n",
-                         a.kv[fi].c_str(), depth, rep + 1, a.reps, s + 1, max_b, depth);
+                         a.kv[fi].c_str(), depth, rep + 1, a.reps, s + 1, n_bases, depth);
             engine.forward(fill, random_tokens(depth));
           }
           bases.push_back(static_cast<PooledKvCache&>(fill.cache()).fork());
@@ -81,9 +82,10 @@ nlohmann::json run_batch_bench(Engine& engine, const BatchBenchArgs& a) {
         }
         for (const int b : a.batches) {
           std::vector<std::unique_ptr<Session>> sessions;
-          for (int s = 0; s < b; ++s)
-            sessions.push_back(std::make_unique<Session>(bases[static_cast<std::size_t>(s)]->fork(),
-                                                         base_tokens[static_cast<std::size_t>(s)]));
+          for (int s = 0; s < b; ++s) {
+            const auto base = static_cast<std::size_t>(a.shared_prefix ? 0 : s);
+            sessions.push_back(std::make_unique<Session>(bases[base]->fork(), base_tokens[base]));
+          }
           const std::vector<TokenId> stream = random_tokens(a.n_gen * b);
           std::vector<BatchEntry> entries(static_cast<std::size_t>(b));
           const auto t0 = std::chrono::steady_clock::now();
@@ -128,6 +130,7 @@ nlohmann::json run_batch_bench(Engine& engine, const BatchBenchArgs& a) {
                          {"batch", b},
                          {"n_tokens", a.n_gen},
                          {"depth", depth},
+                         {"shared_prefix", a.shared_prefix},
                          {"seconds", cell.seconds},
                          {"aggregate_tokens_per_s", {{"samples", agg}, {"median", m}}},
                          {"per_session_tokens_per_s", {{"samples", per}, {"median", median(per)}}}});

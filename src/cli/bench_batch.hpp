@@ -22,6 +22,9 @@ struct BatchBenchArgs {
   int n_gen = 64;
   int reps = 3;
   std::uint64_t seed = 1234;
+  // All B sessions fork one filled context (llama-batched-bench -pps): a
+  // fan-out's forks, and one fill instead of B.
+  bool shared_prefix = false;
 };
 
 // Runs the tests, prints the table on stdout and returns the JSON tests array.

@@ -35,6 +35,7 @@ struct BenchArgs {
   bool no_warmup = false;
   std::vector<int> batches;  // non-empty: the batched decode tests (bench_batch.hpp) instead
   std::vector<std::string> kv{"f16"};
+  bool shared_prefix = false;
 };
 
 struct TestResult {
@@ -191,7 +192,7 @@ void run_bench(const BenchArgs& a) {
   std::vector<TestResult> results;
   nlohmann::json batch_tests;
   if (!a.batches.empty()) {
-    BatchBenchArgs ba{a.batches, a.kv, a.depths, a.n_gen, a.reps, a.seed};
+    BatchBenchArgs ba{a.batches, a.kv, a.depths, a.n_gen, a.reps, a.seed, a.shared_prefix};
     batch_tests = run_batch_bench(engine, ba);
   } else if (a.n_prompt > 0) {
     if (a.n_prompt > c.context_length)
@@ -267,6 +268,8 @@ void register_bench(CLI::App& app) {
                   "Batched decode instead: sessions decoding together, e.g. 1,2,4,8 (llama-batched-bench's test)")
       ->delimiter(',')
       ->check(CLI::Range(1, 4096));
+  cmd->add_flag("--shared-prefix", args->shared_prefix,
+                "Batched decode: all sessions fork one filled context (llama-batched-bench -pps)");
   cmd->add_option("--kv", args->kv, "KV formats of the batched decode tests, e.g. f16,int8,int4")
       ->delimiter(',')
       ->capture_default_str();

@@ -26,7 +26,7 @@ struct RunArgs {
   bool compare = false;
   bool quiet = false;
   bool sequential = false;
-  int token_budget = 128;
+  int token_budget = 256;
   std::string json;
 };
 

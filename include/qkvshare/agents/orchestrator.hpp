@@ -41,7 +41,7 @@ struct RunOptions {
   // (their decode tokens share forward passes); false: one step at a time.
   // Independent mode is always one at a time (separate engines).
   bool concurrent = true;
-  int token_budget = 128;   // tokens per scheduler pass (prompt chunks + decode tokens)
+  int token_budget = 256;   // tokens per scheduler pass (prompt chunks + decode tokens), <= max_batch
   // solo mode: step id -> exactly this many new tokens (the team run's), end-of-generation and stop strings ignored.
   std::map<std::string, int> solo_tokens;
   std::function<void(const std::string&)> progress;  // one line per event, for stderr
