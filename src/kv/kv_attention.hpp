@@ -1,5 +1,5 @@
 #pragma once
-// Attention over a context's blocks, read in place (DESIGN.md rule 4): each
+// Attention over a context's blocks, read in place (docs/design.md rule 4): each
 // job decodes one tile at a time into a block-sized scratch and reuses it for
 // every query head of the KV group and every query token of its chunk.
 #include <cstddef>

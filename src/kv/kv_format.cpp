@@ -27,7 +27,7 @@ bool type_for_bits(int bits, KvType& out) {
 }
 
 // The default codecs of a named format: keys per channel (outlier channels,
-// DESIGN.md), values per token in groups of 32 channels (KIVI).
+// docs/design.md), values per token in groups of 32 channels (KIVI).
 KvCodec default_codec(KvType type, bool is_key) {
   if (type == KvType::f32 || type == KvType::f16) return {type, KvAxis::token, 0};
   if (is_key) return {type, KvAxis::channel, 0};

@@ -57,7 +57,7 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, MappedFile::Mod
     fail(ErrorCode::unsupported, "{}: {}rope.dimension_count {} != head size {} (partial RoPE is not supported)", path,
          a, *rope_dims, c.head_dim);
   if (c.head_dim % 2 != 0) fail(ErrorCode::bad_model_file, "{}: head size {} must be even for RoPE", path, c.head_dim);
-  c.rope_style = c.architecture == "qwen2" ? kernels::RopeStyle::neox : kernels::RopeStyle::interleaved;
+  c.rope_style = c.architecture == "qwen2" ? RopeStyle::neox : RopeStyle::interleaved;
   c.qkv_bias = c.architecture == "qwen2";
 
   ModelWeights& w = model->weights_;

@@ -91,7 +91,7 @@ std::unique_ptr<Model> Model::load_llama2c(const std::string& path, const std::s
   c.context_length = h[6];
   c.rms_eps = 1e-5f;
   c.rope_theta = 10000.0f;
-  c.rope_style = kernels::RopeStyle::interleaved;
+  c.rope_style = RopeStyle::interleaved;
 
   // Layer-major arrays: each named tensor holds all layers back to back.
   Cursor cur{file};

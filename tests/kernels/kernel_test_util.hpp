@@ -17,7 +17,7 @@
 #include "qkvshare/kernels/isa.hpp"
 #include "qkvshare/kernels/matmul.hpp"
 #include "qkvshare/kernels/quant.hpp"
-#include "qkvshare/model/tensor.hpp"
+#include "qkvshare/tensor/tensor.hpp"
 
 namespace qkvshare::kernels::testing {
 

@@ -18,7 +18,7 @@ const char* const kFormats[] = {"f32", "f16", "int8", "int8:kaxis=token", "int4"
                                 "int4:kaxis=token:kgroup=8", "int2:vgroup=16", "int4:vgroup=64", "int3:vgroup=24",
                                 "int2:vgroup=8"};
 
-// Rows like real keys: mostly small, one outlier channel (DESIGN.md).
+// Rows like real keys: mostly small, one outlier channel (docs/design.md).
 std::vector<float> sample_rows(int tokens, int dim, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> n(0.0f, 1.0f);

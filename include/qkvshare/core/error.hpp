@@ -1,5 +1,5 @@
 #pragma once
-// The one error-handling style of the code base (DESIGN.md rule 6): every
+// The one error-handling style of the code base (docs/design.md rule 6): every
 // failure that a caller or user can cause throws qkvshare::Error with a code
 // and a message that names the input, the item and the reason. Programming
 // errors (broken invariants) are also Error with ErrorCode::internal. Entry

@@ -1,6 +1,6 @@
 #pragma once
 // A read-only memory mapping of a whole file. Model weights are used in place
-// from this mapping (DESIGN.md rule 2); nothing copies them.
+// from this mapping (docs/design.md rule 2); nothing copies them.
 #include <cstddef>
 #include <cstdint>
 #include <span>

@@ -9,7 +9,7 @@ namespace qkvshare::kernels {
 // Runs the active ISA's kernel (kernels/isa.hpp).
 void attend_head_f32(const float* q, const float* keys, const float* values, std::int64_t stride,
                      int n_keys, int head_dim, float scale, float* scores, float* out);
-// Scalar reference of the same (DESIGN.md rule 3); also the portable kernel.
+// Scalar reference of the same (docs/design.md rule 3); also the portable kernel.
 void attend_head_f32_ref(const float* q, const float* keys, const float* values, std::int64_t stride,
                          int n_keys, int head_dim, float scale, float* scores, float* out);
 

@@ -12,7 +12,7 @@
 #include <span>
 
 #include "qkvshare/core/thread_pool.hpp"
-#include "qkvshare/model/tensor.hpp"
+#include "qkvshare/tensor/tensor.hpp"
 
 namespace qkvshare::kernels {
 

@@ -2,12 +2,13 @@
 // Elementwise and reduction kernels of the forward pass.
 #include <cstdint>
 
+#include "qkvshare/tensor/tensor.hpp"
+
 namespace qkvshare::kernels {
 
-enum class RopeStyle {
-  interleaved,  // rotate pairs (2i, 2i+1): llama2.c, GGUF `llama` (ggml "normal" mode)
-  neox,         // rotate pairs (i, i + d/2): GGUF `qwen2` (ggml "neox" mode)
-};
+// The model's architecture names its RoPE style; the enum lives in the tensor
+// level below both layers (docs/design.md, layering).
+using qkvshare::RopeStyle;
 
 float dot_f32(const float* a, const float* b, std::int64_t n);
 // out = x * w / rms(x); out may alias x.

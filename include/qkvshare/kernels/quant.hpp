@@ -1,9 +1,9 @@
 #pragma once
 // Weight block formats (ggml layouts) and their scalar reference kernels. The
-// fast paths in kernels/ are tested against these (DESIGN.md rule 3).
+// fast paths in kernels/ are tested against these (docs/design.md rule 3).
 #include <cstdint>
 
-#include "qkvshare/model/tensor.hpp"
+#include "qkvshare/tensor/tensor.hpp"
 
 namespace qkvshare::kernels {
 

@@ -2,7 +2,7 @@
 // The narrow interface between the forward pass and KV storage. The engine
 // hands over post-RoPE keys and values and asks for attention outputs; how K
 // and V are stored (dense f32 here, quantized pool blocks later) and how
-// attention reads them stays behind this interface (DESIGN.md rule 4: the
+// attention reads them stays behind this interface (docs/design.md rule 4: the
 // storage computes attention over its own blocks, nothing copies them out).
 #include <cstddef>
 #include <cstdint>

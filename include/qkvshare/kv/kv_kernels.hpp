@@ -1,6 +1,6 @@
 #pragma once
 // Tile kernels of the KV pool: coding rows into a tile, decoding a tile into a
-// block-sized f32 scratch (never more: DESIGN.md rule 4), the score and
+// block-sized f32 scratch (never more: docs/design.md rule 4), the score and
 // weighted-sum steps of attention, and the Hadamard rotation. Each has a
 // scalar reference; the SIMD versions (AVX2, AVX-512, chosen at run time)
 // must agree with it: decoding bit for bit, scores and sums up to float

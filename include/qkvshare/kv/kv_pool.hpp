@@ -1,5 +1,5 @@
 #pragma once
-// The KV pool: the only owner of KV memory (DESIGN.md "KV pool").
+// The KV pool: the only owner of KV memory (docs/design.md "KV pool").
 //
 // A *block* is `block_tokens` tokens (a power of two, default 32) of K and V
 // for every layer. Its bytes are a list of fixed-size *pages* holding its

@@ -28,7 +28,7 @@ class BlockAttend;
 // A run of blocks holding consecutive tokens. Keys were rotated (RoPE) at the
 // positions they were computed at; a segment placed `position_offset` tokens
 // away from there would be read by rotating the query back by the offset
-// (DESIGN.md "Context"). Offsets are zero until splice exists.
+// (docs/design.md "Context"). Offsets are zero until splice exists.
 struct KvSegment {
   int position_offset = 0;
   std::vector<BlockRef> blocks;

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "qkvshare/core/mapped_file.hpp"
-#include "qkvshare/model/tensor.hpp"
+#include "qkvshare/tensor/tensor.hpp"
 
 namespace qkvshare {
 

@@ -8,8 +8,7 @@
 #include <vector>
 
 #include "qkvshare/core/mapped_file.hpp"
-#include "qkvshare/kernels/ops.hpp"
-#include "qkvshare/model/tensor.hpp"
+#include "qkvshare/tensor/tensor.hpp"
 #include "qkvshare/model/tokenizer.hpp"
 
 namespace qkvshare {
@@ -29,7 +28,7 @@ struct ModelConfig {
   int context_length = 0;
   float rms_eps = 1e-5f;
   float rope_theta = 10000.0f;
-  kernels::RopeStyle rope_style = kernels::RopeStyle::interleaved;
+  RopeStyle rope_style = RopeStyle::interleaved;
   bool qkv_bias = false;
 
   int q_dim() const noexcept { return n_heads * head_dim; }

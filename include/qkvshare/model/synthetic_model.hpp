@@ -13,7 +13,7 @@
 #include <string_view>
 #include <vector>
 
-#include "qkvshare/model/tensor.hpp"
+#include "qkvshare/tensor/tensor.hpp"
 
 namespace qkvshare {
 

@@ -1,6 +1,6 @@
 #pragma once
 // The descriptor: the small value a producer hands a consumer to name a
-// sealed context (DESIGN.md "Descriptor"). 256 bytes, fixed layout, little
+// sealed context (docs/design.md "Descriptor"). 256 bytes, fixed layout, little
 // endian, versioned and self-validating; the byte layout is documented in
 // docs/handoff.md and by the offsets in descriptor.cpp.
 //

@@ -1,6 +1,6 @@
 #pragma once
 // A shared context pool: the KV pool plus the registry of sealed contexts,
-// in one region that every process attached to it maps (DESIGN.md
+// in one region that every process attached to it maps (docs/design.md
 // "Handoff"). docs/handoff.md describes the layout and lifetime rules.
 //
 // Lifetime, in short:

@@ -1,6 +1,8 @@
 #pragma once
-// Weight tensors as views into a mapped model file: type, shape, bytes. The
-// bytes stay in their stored (possibly quantized) format (DESIGN.md rule 2).
+// The tensor level, between core and the kernels and model layers that both
+// use it: weight tensors as views into a mapped model file (type, shape,
+// bytes) and the RoPE style an architecture names. The bytes stay in their
+// stored (possibly quantized) format (docs/design.md rule 2).
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -26,6 +28,11 @@ enum class GgmlType : std::uint32_t {
   Q6_K = 14,
   Q8_K = 15,
   BF16 = 30,
+};
+
+enum class RopeStyle {
+  interleaved,  // rotate pairs (2i, 2i+1): llama2.c, GGUF `llama` (ggml "normal" mode)
+  neox,         // rotate pairs (i, i + d/2): GGUF `qwen2` (ggml "neox" mode)
 };
 
 struct TypeTraits {

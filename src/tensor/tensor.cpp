@@ -1,4 +1,4 @@
-#include "qkvshare/model/tensor.hpp"
+#include "qkvshare/tensor/tensor.hpp"
 
 #include "qkvshare/core/error.hpp"
 
