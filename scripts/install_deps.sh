@@ -11,6 +11,9 @@ APT_PACKAGES=(
   libpcre2-dev                                # Unicode regexes of the BPE pre-tokenizers
   libxxhash-dev libyaml-cpp-dev               # descriptor checksums, workflow files
   clang libclang-rt-dev                       # libFuzzer targets of the parsers (tests/fuzz)
+  libsodium-dev                               # tiers: XChaCha20-Poly1305 of spilled and remote blocks
+  libhiredis-dev redis-server                 # tiers: the remote tier's client, and the server its tests start
+  g++-s390x-linux-gnu qemu-user               # tiers: the portable context format read on big-endian s390x
   python3 python3-venv python3-pip
 )
 

@@ -16,14 +16,15 @@ echo "[test] ASan+UBSan build: C++ tests" >&2
 BUILD_DIR=build-asan BUILD_TYPE=Debug scripts/build.sh -DQKVSHARE_SANITIZE=ON -DQKVSHARE_BUILD_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE "reference|slow"
-echo "[test] ThreadSanitizer build: the concurrent parts (thread pool, KV pool, share layer, batched passes and scheduler)" >&2
+echo "[test] ThreadSanitizer build: the concurrent parts (thread pool, KV pool, share layer, batched passes and scheduler, tiers' prefetch)" >&2
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_TSAN=ON -DQKVSHARE_BUILD_BENCH=OFF >&2
-cmake --build build-tsan -j "$(nproc)" --target test_core test_kv test_share test_engine >&2
+cmake --build build-tsan -j "$(nproc)" --target test_core test_kv test_share test_engine test_tiers >&2
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 build-tsan/tests/test_core --gtest_filter='ThreadPool.*'
 build-tsan/tests/test_kv --gtest_filter='KvPool.*'
 build-tsan/tests/test_share
 build-tsan/tests/test_engine --gtest_filter='SchedulerTest.SubmitAndCancelFromOtherThreads:SchedulerTest.LongPrompt*:BatchTest.MixedBatchMatchesEachAloneToRounding*:BatchTest.PoolExhaustion*'
+build-tsan/tests/test_tiers --gtest_filter='Tiers.*'
 echo "[test] libFuzzer: the GGUF and descriptor parsers, 60 s each" >&2
 CXX=clang++ CC=clang cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_FUZZ=ON \
   -DQKVSHARE_BUILD_TESTS=OFF -DQKVSHARE_BUILD_BENCH=OFF >&2

@@ -103,6 +103,7 @@ class Run {
                        (std::size_t{32} << 20);
         pool_ = SharePool::create_anonymous(config);
         pool_->kv_pool(shape);
+        if (opts.tiers.budget_bytes > 0) tiers_ = std::make_unique<ContextTiers>(*pool_, opts.tiers);
       }
     }
     report_.load_seconds = since(t0);
@@ -118,12 +119,16 @@ class Run {
   RunReport run() {
     const auto t0 = Clock::now();
     const std::size_t n = wf_.steps.size();
-    const bool concurrent = opts_.concurrent && opts_.mode != RunMode::independent;
+    // The tiers' budget policy (evict / prefetch by steps-to-execution) assumes one step at a
+    // time, so a run under a KV budget stays sequential for now.
+    const bool concurrent = opts_.concurrent && opts_.mode != RunMode::independent && !tiers_;
     std::vector<char> started(n, 0), done(n, 0);
     std::vector<std::optional<StepMetrics>> metrics(n);
     std::map<Runtime*, std::map<RequestId, Running>> running;
     std::size_t finished = 0, in_flight = 0;
     int index = 0;
+    for (std::size_t p = 0; p < wf_.order.size(); ++p)
+      position_[wf_.steps[static_cast<std::size_t>(wf_.order[p])].id] = static_cast<int>(p);
     const auto complete = [&](Running& r, const RequestResult* result) {
       const int i = r.step_index;
       StepMetrics m = complete_step(r, result);
@@ -134,6 +139,7 @@ class Run {
       report_.prefill_computed += m.prefill_computed;
       report_.prefill_reused += m.prefill_reused;
       metrics[pos] = std::move(m);
+      if (tiers_) tiers_->step_finished(static_cast<int>(pos));  // evict until the budget holds
       done[static_cast<std::size_t>(i)] = 1;
       ++finished;
       release_finished_inputs(wf_.steps[static_cast<std::size_t>(i)]);
@@ -147,6 +153,7 @@ class Run {
         if (!ready) continue;
         started[static_cast<std::size_t>(i)] = 1;
         progress(fmt::format("[{}/{}] {} ({}): running", ++index, n, step.id, step.agent));
+        if (tiers_) tiers_->step_started(position_.at(step.id));  // prefetch what the next step needs
         Running r = prepare_step(i);
         r.m.start_seconds = std::chrono::duration<double>(r.t0 - t0).count();
         if (r.feed.empty()) {
@@ -186,6 +193,8 @@ class Run {
     }
     for (auto& m : metrics) report_.steps.push_back(std::move(*m));
     report_.total_seconds = since(t0);
+    if (tiers_) report_.tiers = tiers_->stats();
+    tiers_.reset();  // removes the spill files
     if (pool_) {
       const ShareStats st = pool_->stats();
       report_.contexts_alive_at_end = st.contexts;
@@ -279,9 +288,13 @@ class Run {
       const auto h0 = Clock::now();
       HandoffOptions ho;
       ho.capacity = opts_.context;
-      HandoffResult h = open_session(*pool_, *rt.engine, fingerprint_, up.grants.at(step.id), step.id, ho);
-      pool_->release(up.grants.at(step.id), step.id);  // the session holds its own block references
+      // Under a budget the context may be on disk: acquire restores it (or
+      // waits for its prefetch) and gives the descriptor of the live copy.
+      const Descriptor d = tiers_ ? tiers_->acquire(base->from, step.id) : up.grants.at(step.id);
+      HandoffResult h = open_session(*pool_, *rt.engine, fingerprint_, d, step.id, ho);
+      pool_->release(d, step.id);  // the session holds its own block references
       up.grants.erase(step.id);
+      if (tiers_) tiers_->consumed(base->from, step.id);
       m.handoff_seconds = since(h0);
       session = std::move(h.session);
       m.handoff = h.kv ? std::string(to_string(base->mode)) : "fallback:" + std::string(to_string(h.fallback));
@@ -381,6 +394,7 @@ class Run {
     const SealedContext sealed = seal_session(*pool_, *runtime(step.agent).engine, fingerprint_, session, step.id);
     for (const auto& c : consumers) result.grants.emplace(c, pool_->grant(sealed, step.id, c));
     pool_->release(sealed);
+    if (tiers_) tiers_->add(step.id, result.grants, position_);
   }
 
   // Text outputs are plain strings; nothing to release for them. Context
@@ -393,6 +407,8 @@ class Run {
   std::map<std::string, std::unique_ptr<Runtime>> runtimes_;
   std::unique_ptr<Runtime> shared_;
   std::shared_ptr<SharePool> pool_;
+  std::unique_ptr<ContextTiers> tiers_;  // only under a budget
+  std::map<std::string, int> position_;  // step id -> place in the run order
   ModelFingerprint fingerprint_;
   std::map<std::string, StepResult> results_;
   std::map<std::string, std::string> outputs_;

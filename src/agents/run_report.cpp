@@ -19,6 +19,15 @@ std::string RunReport::json() const {
   j["contexts_alive_at_end"] = contexts_alive_at_end;
   j["pool_blocks_used_at_end"] = pool_blocks_used_at_end;
   j["forward_passes"] = forward_passes;
+  j["tiers"] = {{"spills", tiers.spills},
+                {"evictions", tiers.evictions},
+                {"restores_on_demand", tiers.restores_on_demand},
+                {"prefetches", tiers.prefetches},
+                {"bytes_written", tiers.bytes_written},
+                {"bytes_read", tiers.bytes_read},
+                {"restore_wait_seconds", tiers.restore_wait_seconds},
+                {"peak_at_rest_bytes", tiers.peak_at_rest_bytes},
+                {"failures", tiers.failures}};
   j["steps"] = nlohmann::json::array();
   for (const auto& s : steps) {
     j["steps"].push_back({{"step", s.step},
@@ -54,6 +63,17 @@ RunReport RunReport::from_json(const std::string& text) {
     r.contexts_alive_at_end = j.at("contexts_alive_at_end").get<int>();
     r.pool_blocks_used_at_end = j.at("pool_blocks_used_at_end").get<std::size_t>();
     r.forward_passes = j.value("forward_passes", std::uint64_t{0});
+    if (const auto t = j.find("tiers"); t != j.end()) {
+      r.tiers.spills = t->at("spills").get<int>();
+      r.tiers.evictions = t->at("evictions").get<int>();
+      r.tiers.restores_on_demand = t->at("restores_on_demand").get<int>();
+      r.tiers.prefetches = t->at("prefetches").get<int>();
+      r.tiers.bytes_written = t->at("bytes_written").get<std::uint64_t>();
+      r.tiers.bytes_read = t->at("bytes_read").get<std::uint64_t>();
+      r.tiers.restore_wait_seconds = t->at("restore_wait_seconds").get<double>();
+      r.tiers.peak_at_rest_bytes = t->at("peak_at_rest_bytes").get<std::size_t>();
+      r.tiers.failures = t->at("failures").get<std::vector<std::string>>();
+    }
     for (const auto& s : j.at("steps")) {
       StepMetrics m;
       m.step = s.at("step").get<std::string>();

@@ -21,23 +21,8 @@ struct PoolArgs {
   ShareConfig config;
 };
 
-// "1073741824", "512M", "2G", "64K" (powers of 1024).
-std::size_t parse_bytes(const std::string& text) {
-  std::uint64_t v = 0;
-  const auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  std::string_view unit(p, static_cast<std::size_t>(text.data() + text.size() - p));
-  int shift = 0;
-  if (unit == "K" || unit == "KiB") shift = 10;
-  else if (unit == "M" || unit == "MiB") shift = 20;
-  else if (unit == "G" || unit == "GiB") shift = 30;
-  else if (!unit.empty()) shift = -1;
-  if (ec != std::errc() || shift < 0 || p == text.data() || v == 0 || v > (std::uint64_t{1} << (50 - shift)))
-    fail(ErrorCode::invalid_argument, "--bytes: '{}' is not a size (e.g. 268435456, 256M, 2G)", text);
-  return static_cast<std::size_t>(v << shift);
-}
-
 void run_serve(PoolArgs& a) {
-  a.config.bytes = parse_bytes(a.bytes);
+  a.config.bytes = parse_bytes(a.bytes, "--bytes");
   // Block the signals first, so that one arriving while the pool is being
   // created is not lost: the loop below collects it and cleans up.
   sigset_t stop;

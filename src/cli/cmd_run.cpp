@@ -1,6 +1,7 @@
 // qkvshare run / demo: multi-agent workflows, alone or compared across modes.
 #include <cstdio>
 #include <cstdlib>
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 
@@ -9,6 +10,7 @@
 #include "qkvshare/agents/demo_workflow.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/kv_format.hpp"
+#include "qkvshare/tiers/crypto.hpp"
 
 namespace qkvshare::cli {
 
@@ -28,6 +30,8 @@ struct RunArgs {
   bool sequential = false;
   int token_budget = 256;
   std::string json;
+  std::string kv_budget, spill_dir, key;
+  bool no_prefetch = false;
 };
 
 void print_outputs(const RunReport& r) {
@@ -43,6 +47,14 @@ void print_outputs(const RunReport& r) {
   std::printf("total %.2f s (load %.2f s) | mode %s, KV %s | prefill computed %d, reused %d | peak KV %.2f MiB\n",
               r.total_seconds, r.load_seconds, std::string(to_string(r.mode)).c_str(), r.kv.c_str(),
               r.prefill_computed, r.prefill_reused, static_cast<double>(r.peak_kv_bytes) / (1 << 20));
+  const TierStats& t = r.tiers;
+  if (t.evictions + t.restores_on_demand + t.prefetches > 0 || !t.failures.empty())
+    std::printf("tiers: %d evicted (%d spilled, %.2f MiB written), %d prefetched, %d restored on demand (%.2f MiB "
+                "read, consumers waited %.3f s), peak at rest %.2f MiB\n",
+                t.evictions, t.spills, static_cast<double>(t.bytes_written) / (1 << 20), t.prefetches,
+                t.restores_on_demand, static_cast<double>(t.bytes_read) / (1 << 20), t.restore_wait_seconds,
+                static_cast<double>(t.peak_at_rest_bytes) / (1 << 20));
+  for (const auto& f : t.failures) std::printf("tiers: %s\n", f.c_str());
   std::fflush(stdout);
 }
 
@@ -63,6 +75,16 @@ void execute(const Workflow& wf, const RunArgs& a) {
   opts.concurrent = !a.sequential;
   opts.token_budget = a.token_budget;
   if (!a.quiet) opts.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  if (!a.kv_budget.empty()) {
+    opts.tiers.budget_bytes = parse_bytes(a.kv_budget, "--kv-budget");
+    opts.tiers.spill_dir = a.spill_dir.empty()
+                               ? (std::filesystem::temp_directory_path() / ("qkvshare-spill." + std::to_string(::getpid()))).string()
+                               : a.spill_dir;
+    if (!a.key.empty()) opts.tiers.cipher = std::make_shared<KeyCipher>(KeyCipher::from_file(a.key));
+    opts.tiers.prefetch = !a.no_prefetch;
+  } else if (!a.spill_dir.empty() || !a.key.empty() || a.no_prefetch) {
+    fail(ErrorCode::invalid_argument, "--spill-dir, --key and --no-prefetch need --kv-budget");
+  }
   if (!a.compare) {
     const RunReport r = run_workflow(wf, a.model.model_path, a.model.tokenizer_path, opts);
     print_outputs(r);
@@ -102,6 +124,10 @@ void add_common(CLI::App& cmd, RunArgs& a) {
   cmd.add_flag("--compare", a.compare, "Run in every mode and print one comparison table");
   cmd.add_flag("-q,--quiet", a.quiet, "No progress lines on stderr");
   cmd.add_option("--json", a.json, "Write the report (or the comparison) as JSON to FILE");
+  cmd.add_option("--kv-budget", a.kv_budget, "qkvshare mode: pool bytes for contexts at rest (e.g. 8M); spill the rest");
+  cmd.add_option("--spill-dir", a.spill_dir, "Folder of spilled contexts (default: a temporary one)");
+  cmd.add_option("--key", a.key, "Key file: encrypt spilled blocks (XChaCha20-Poly1305)");
+  cmd.add_flag("--no-prefetch", a.no_prefetch, "Restore spilled contexts only when their consumer starts");
 }
 
 }  // namespace

@@ -59,4 +59,19 @@ std::vector<TokenId> encode_prompt(const Tokenizer& tok, const std::string& text
   return ids;
 }
 
+// "1073741824", "512M", "2G", "64K" (powers of 1024).
+std::size_t parse_bytes(const std::string& text, std::string_view flag) {
+  std::uint64_t v = 0;
+  const auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  std::string_view unit(p, static_cast<std::size_t>(text.data() + text.size() - p));
+  int shift = 0;
+  if (unit == "K" || unit == "KiB") shift = 10;
+  else if (unit == "M" || unit == "MiB") shift = 20;
+  else if (unit == "G" || unit == "GiB") shift = 30;
+  else if (!unit.empty()) shift = -1;
+  if (ec != std::errc() || shift < 0 || p == text.data() || v == 0 || v > (std::uint64_t{1} << (50 - shift)))
+    fail(ErrorCode::invalid_argument, "{}: '{}' is not a size (e.g. 268435456, 256M, 2G)", flag, text);
+  return static_cast<std::size_t>(v << shift);
+}
+
 }  // namespace qkvshare::cli

@@ -23,6 +23,8 @@ void add_model_args(CLI::App& cmd, ModelArgs& args);
 EngineOptions engine_options(const ModelArgs& args);
 // Loads the model, reporting the load time on stderr.
 std::unique_ptr<Model> load_model(const ModelArgs& args);
+// "1073741824", "512M", "2G", "64K" (powers of 1024); Error(invalid_argument) naming `flag`.
+std::size_t parse_bytes(const std::string& text, std::string_view flag);
 // "1,2,3" -> ids; throws Error(invalid_argument) naming the bad item.
 std::vector<TokenId> parse_ids(const std::string& text);
 // The prompt's ids: BOS when the model wants it, then the text (special tokens parsed when `special`).

@@ -24,6 +24,7 @@ expect_error() {
 }
 
 S="$SHARED/models/stories260K.bin"
+TESTDATA_CTX="$(dirname "$0")/../data/contexts/f16.qkvctx"
 T="$SHARED/models/tok512.bin"
 printf 'GGUF\x03\x00\x00\x00' > "$tmp/short.gguf"
 head -c 1000 "$S" > "$tmp/truncated.bin"
@@ -39,6 +40,20 @@ expect_error "truncated_tok.bin" generate -m "$S" -t "$tmp/truncated_tok.bin" -p
 expect_error "top-p" generate -m "$S" -t "$T" -p hi --top-p 2
 expect_error "temperature" generate -m "$S" -t "$T" -p hi --temp -1
 expect_error "context length" generate -m "$S" -t "$T" -p "Once upon a time there was a girl" --ctx 4
+# Portable context files and key files (tiers).
+printf 'QKVCTX\0\0garbage' > "$tmp/bad.qkvctx"
+printf 'abc' > "$tmp/short.key"
+expect_error "bad.qkvctx" context import "$tmp/bad.qkvctx" --pool none --agent A --grant B -o "$tmp/x.desc"
+expect_error "missing.qkvctx" context import "$tmp/missing.qkvctx" --pool none --agent A --grant B -o "$tmp/x.desc"
+expect_error "short.key" context import "$TESTDATA_CTX" --pool none --agent A --grant B -o "$tmp/x.desc" --key "$tmp/short.key"
+expect_error "--kv-budget" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --kv-budget lots
+expect_error "need --kv-budget" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --no-prefetch
+printf '{"format":"other"}' > "$tmp/bad.ref"
+expect_error "bad.ref" context pull "$tmp/bad.ref" --pool none --agent A --grant B -o "$tmp/x.desc"
+expect_error "missing.ref" context pull "$tmp/missing.ref" --pool none --agent A --grant B -o "$tmp/x.desc"
+expect_error "is not HOST:PORT" context push "$tmp/x.desc" --pool none --agent A --name n -o "$tmp/r.ref" --redis nohost
+printf '0%.0s' $(seq 64) > "$tmp/k.key"
+expect_error "cannot create key file" context keygen -o "$tmp/k.key"
 expect_error "--ids" logits -m "$S" -t "$T" --ids 1,x,3
 expect_error "outside the vocabulary" logits -m "$S" -t "$T" --ids 1,99999
 expect_error "prompt" generate -m "$S" -t "$T"

@@ -18,6 +18,7 @@
 
 #include "qkvshare/agents/workflow.hpp"
 #include "qkvshare/model/tokenizer.hpp"
+#include "qkvshare/tiers/context_tiers.hpp"
 
 namespace qkvshare::agents {
 
@@ -45,6 +46,9 @@ struct RunOptions {
   // solo mode: step id -> exactly this many new tokens (the team run's), end-of-generation and stop strings ignored.
   std::map<std::string, int> solo_tokens;
   std::function<void(const std::string&)> progress;  // one line per event, for stderr
+  // qkvshare mode: a pool byte budget for contexts at rest, with disk spill
+  // and prefetch (tiers/context_tiers.hpp); budget_bytes 0 turns it off.
+  TierOptions tiers;
 };
 
 struct StepMetrics {
@@ -76,6 +80,7 @@ struct RunReport {
   int contexts_alive_at_end = 0;       // sealed contexts left in the pool (0 when lifetimes are right)
   std::size_t pool_blocks_used_at_end = 0;
   std::uint64_t forward_passes = 0;    // scheduler passes (concurrent steps share them)
+  TierStats tiers;                     // what the budget moved (RunOptions::tiers)
   std::string json() const;
   static RunReport from_json(const std::string& text);
 };

@@ -1,0 +1,159 @@
+#include "qkvshare/tiers/context_io.hpp"
+
+#include <algorithm>
+#include <vector>
+
+#include "qkvshare/core/error.hpp"
+
+namespace qkvshare {
+
+namespace {
+
+std::vector<BlockRef> flat_blocks(const PooledKvCache& cache) {
+  std::vector<BlockRef> out;
+  for (const KvSegment& s : cache.segments()) out.insert(out.end(), s.blocks.begin(), s.blocks.end());
+  return out;
+}
+
+// Releases the blocks an import allocated unless it completes.
+struct BlockGuard {
+  KvPool& pool;
+  std::vector<BlockRef> blocks;
+  ~BlockGuard() {
+    for (BlockRef b : blocks) pool.release(b);
+  }
+};
+
+}  // namespace
+
+ModelFingerprint fingerprint_of(const ContextMeta& meta) {
+  ModelFingerprint fp;
+  fp.model = meta.model_fingerprint;
+  fp.tokenizer = meta.tokenizer_fingerprint;
+  return fp;
+}
+
+ContextMeta context_meta(const PooledKvCache& cache, std::span<const TokenId> tokens, std::string_view text,
+                         const ModelFingerprint& fp) {
+  if (static_cast<std::size_t>(cache.size()) != tokens.size() || tokens.empty())
+    fail(ErrorCode::invalid_argument, "export: the cache holds {} tokens, {} token ids given", cache.size(),
+         tokens.size());
+  ContextMeta m;
+  m.model_fingerprint = fp.model;
+  m.tokenizer_fingerprint = fp.tokenizer;
+  m.shape = cache.shape();
+  m.block_tokens = cache.pool().block_tokens();
+  m.format = cache.format();
+  m.tokens.assign(tokens.begin(), tokens.end());
+  m.text = std::string(text);
+  const int T = m.block_tokens;
+  int b = 0;
+  for (const KvSegment& s : cache.segments()) {
+    if (s.blocks.empty()) continue;
+    m.segments.push_back(ContextSegment{s.position_offset, static_cast<std::uint32_t>(s.blocks.size())});
+    for (BlockRef ref : s.blocks) {
+      const BlockInfo info = cache.pool().info(ref);
+      ContextBlock cb;
+      cb.k = info.k;
+      cb.v = info.v;
+      cb.flags = info.flags;
+      // The pool's fill of a shared block may run ahead of this context (a
+      // fork appended to its copy); the context's own count is what it holds.
+      cb.fill = static_cast<std::uint32_t>(std::min(T, cache.size() - b * T));
+      m.blocks.push_back(cb);
+      ++b;
+    }
+  }
+  return m;
+}
+
+BlockSource pooled_block_source(const PooledKvCache& cache) {
+  std::vector<BlockRef> blocks = flat_blocks(cache);
+  const int T = cache.pool().block_tokens(), n = cache.size();
+  return [&cache, blocks = std::move(blocks), T, n](std::size_t i, std::span<std::uint8_t> plain) {
+    KvPool& pool = cache.pool();
+    const KvShape& s = pool.shape();
+    const BlockInfo info = pool.info(blocks[i]);
+    const int fill = std::min(T, n - static_cast<int>(i) * T);
+    for (int kind = 0; kind < 2; ++kind) {
+      const KvCodec& c = kind == 0 ? info.k : info.v;
+      for (int l = 0; l < s.n_layers; ++l)
+        for (int h = 0; h < s.n_kv_heads; ++h)
+          tile_to_canonical(c, T, s.head_dim, fill, pool.tile(blocks[i], kind, l, h),
+                            plain.data() + tile_offset(s, T, info.k, info.v, kind, l, h));
+    }
+  };
+}
+
+std::uint64_t write_pooled_context(const PooledKvCache& cache, std::span<const TokenId> tokens, std::string_view text,
+                                   const ModelFingerprint& fp, const ByteSink& sink, const BlockCipher* cipher) {
+  return write_context(context_meta(cache, tokens, text, fp), pooled_block_source(cache), sink, cipher);
+}
+
+std::unique_ptr<PooledKvCache> import_context(const ContextReader& reader, std::shared_ptr<KvPool> pool, int capacity,
+                                              const BlockCipher* cipher) {
+  const ContextMeta& m = reader.meta();
+  const KvShape& s = pool->shape();
+  if (s.n_layers != m.shape.n_layers || s.n_heads != m.shape.n_heads || s.n_kv_heads != m.shape.n_kv_heads ||
+      s.head_dim != m.shape.head_dim || pool->block_tokens() != m.block_tokens)
+    fail(ErrorCode::bad_descriptor,
+         "import: the context's KV shape ({} layers, {} KV heads x {}, blocks of {}) is not the pool's ({}, {} x {}, {})",
+         m.shape.n_layers, m.shape.n_kv_heads, m.shape.head_dim, m.block_tokens, s.n_layers, s.n_kv_heads, s.head_dim,
+         pool->block_tokens());
+  if (capacity < static_cast<int>(m.tokens.size()))
+    fail(ErrorCode::invalid_argument, "import: {} tokens do not fit a capacity of {}", m.tokens.size(), capacity);
+  for (const ContextSegment& seg : m.segments)
+    if (seg.position_offset != 0)
+      fail(ErrorCode::unsupported, "import: segments at a position offset (splice) are not supported yet");
+  const int T = m.block_tokens;
+  BlockGuard guard{*pool, {}};
+  std::vector<std::uint8_t> plain;
+  for (std::size_t i = 0; i < m.blocks.size(); ++i) {
+    const ContextBlock& b = m.blocks[i];
+    plain.resize(reader.plain_bytes(i));
+    reader.read_block(i, plain, cipher);  // authenticated and checksummed before any byte reaches the pool
+    const BlockRef ref = pool->allocate(b.k, b.v, b.flags);
+    guard.blocks.push_back(ref);
+    for (int kind = 0; kind < 2; ++kind) {
+      const KvCodec& c = kind == 0 ? b.k : b.v;
+      for (int l = 0; l < s.n_layers; ++l)
+        for (int h = 0; h < s.n_kv_heads; ++h)
+          tile_from_canonical(c, T, s.head_dim, plain.data() + tile_offset(s, T, b.k, b.v, kind, l, h),
+                              pool->tile(ref, kind, l, h));
+    }
+    pool->set_fill(ref, static_cast<int>(b.fill));
+  }
+  std::vector<KvSegment> segments(1);
+  segments[0].blocks = guard.blocks;
+  auto cache = PooledKvCache::adopt(pool, m.format, capacity, std::move(segments), static_cast<int>(m.tokens.size()));
+  return cache;  // the guard drops the import's own references: the cache holds one each
+}
+
+std::uint64_t export_descriptor(SharePool& pool, const Descriptor& d, std::string_view agent, const ByteSink& sink,
+                                const BlockCipher* cipher) {
+  pool.kv_pool_if_any();  // binds this process to the pool's KV arena, whatever its shape
+  OpenedContext opened = pool.open(d, agent, true, static_cast<int>(d.token_count));
+  if (!opened.cache)
+    fail(ErrorCode::bad_descriptor, "export: the KV of context {} cannot be used here ({}: {})", d.context_id,
+         to_string(opened.refused), opened.refused_detail);
+  return write_pooled_context(*opened.cache, opened.tokens, opened.text, d.fingerprint, sink, cipher);
+}
+
+SealedContext import_sealed(SharePool& pool, const ContextReader& reader, std::string_view producer,
+                            const ModelFingerprint* expected, const BlockCipher* cipher) {
+  const ContextMeta& m = reader.meta();
+  const ModelFingerprint fp = fingerprint_of(m);
+  if (expected != nullptr && expected->model != fp.model)
+    fail(ErrorCode::bad_descriptor, "import: the context was made by model {}, not by this model ({})", fp.hex(),
+         expected->hex());
+  std::shared_ptr<KvPool> kv;
+  try {
+    kv = pool.kv_pool(m.shape);  // formats an empty pool for the context's shape
+  } catch (const Error& e) {
+    fail(ErrorCode::bad_descriptor, "import: {}", e.what());
+  }
+  auto cache = import_context(reader, kv, static_cast<int>(m.tokens.size()), cipher);
+  return pool.seal(*cache, m.tokens, m.text, fp, producer);
+}
+
+}  // namespace qkvshare

@@ -1,0 +1,227 @@
+#include "qkvshare/tiers/context_tiers.hpp"
+
+#include <chrono>
+#include <climits>
+
+#include "qkvshare/core/error.hpp"
+
+namespace qkvshare {
+
+namespace {
+double since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+}  // namespace
+
+struct ContextTiers::Entry {
+  std::string producer;
+  std::map<std::string, Descriptor> grants;  // remaining consumer -> live descriptor (while resident)
+  std::map<std::string, int> position;       // remaining consumer -> its place in the run order
+  bool resident = true;
+  bool on_disk = false;       // the file holds this context (written once, kept until the last consumer)
+  bool spill_failed = false;  // the disk refused once: keep it in RAM
+  std::uint64_t last_use = 0;
+  std::size_t kv_bytes = 0;     // pool bytes when resident (from the format; exact for full blocks)
+  std::future<void> restoring;  // a background restore in flight (or done, not yet collected)
+};
+
+namespace {
+bool ready(const std::future<void>& f) {
+  return f.valid() && f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+}  // namespace
+
+ContextTiers::ContextTiers(SharePool& pool, TierOptions options)
+    : pool_(pool), options_(std::move(options)), disk_(options_.spill_dir, options_.cipher) {}
+
+ContextTiers::~ContextTiers() {
+  std::unique_lock lock(mutex_);
+  for (auto& [name, e] : entries_) {
+    if (e->restoring.valid()) {
+      lock.unlock();
+      try {
+        e->restoring.get();
+      } catch (const Error&) {  // already counted; nothing to undo
+      }
+      lock.lock();
+    }
+    if (e->on_disk) disk_.remove(e->producer);
+  }
+}
+
+std::size_t ContextTiers::pool_bytes() const { return pool_.stats().kv.bytes_used; }
+
+int ContextTiers::next_use(const Entry& e) const {
+  int best = INT_MAX;
+  for (const auto& [consumer, pos] : e.position) best = std::min(best, pos);
+  return best;
+}
+
+void ContextTiers::add(const std::string& producer, std::map<std::string, Descriptor> grants,
+                       const std::map<std::string, int>& position) {
+  if (grants.empty()) return;
+  auto e = std::make_unique<Entry>();
+  e->producer = producer;
+  for (const auto& [consumer, d] : grants) {
+    const auto it = position.find(consumer);
+    QKV_CHECK(it != position.end());
+    e->position[consumer] = it->second;
+  }
+  const Descriptor& any = grants.begin()->second;
+  if (const auto f = any.format(); f && pool_.kv_pool_if_any())
+    e->kv_bytes = f->context_bytes(pool_.kv_pool_if_any()->shape(), static_cast<int>(any.block_tokens),
+                                   static_cast<int>(any.token_count));
+  e->grants = std::move(grants);
+  std::lock_guard lock(mutex_);
+  e->last_use = ++clock_;
+  QKV_CHECK(entries_.count(producer) == 0);
+  entries_[producer] = std::move(e);
+}
+
+void ContextTiers::restore_into(Entry& e, std::unique_lock<std::mutex>& lock, bool background) {
+  // Called with the lock held; the import itself runs without it.
+  const std::string producer = e.producer;
+  std::vector<std::string> consumers;
+  for (const auto& [c, pos] : e.position) consumers.push_back(c);
+  lock.unlock();
+  RestoreResult r;
+  std::map<std::string, Descriptor> grants;
+  try {
+    r = disk_.restore(pool_, producer, producer);
+    for (const std::string& c : consumers) grants.emplace(c, pool_.grant(r.sealed, producer, c));
+    pool_.release(r.sealed);  // the grants keep it
+  } catch (...) {
+    lock.lock();
+    throw;
+  }
+  lock.lock();
+  e.grants = std::move(grants);
+  e.resident = true;
+  e.last_use = ++clock_;
+  stats_.bytes_read += r.file_bytes;
+  ++(background ? stats_.prefetches : stats_.restores_on_demand);
+}
+
+Descriptor ContextTiers::acquire(const std::string& producer, const std::string& consumer) {
+  std::unique_lock lock(mutex_);
+  const auto it = entries_.find(producer);
+  if (it == entries_.end())
+    fail(ErrorCode::internal, "tiers: no context of '{}' is tracked for '{}'", producer, consumer);
+  Entry& e = *it->second;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (e.restoring.valid()) {
+    std::future<void> f = std::move(e.restoring);
+    lock.unlock();
+    f.get();  // a failed prefetch rethrows here, naming the file
+    lock.lock();
+    stats_.restore_wait_seconds += since(t0);
+  } else if (!e.resident) {
+    restore_into(e, lock, false);
+    stats_.restore_wait_seconds += since(t0);
+  }
+  e.last_use = ++clock_;
+  const auto g = e.grants.find(consumer);
+  if (g == e.grants.end())
+    fail(ErrorCode::internal, "tiers: the context of '{}' has no grant for '{}'", producer, consumer);
+  return g->second;
+}
+
+void ContextTiers::consumed(const std::string& producer, const std::string& consumer) {
+  std::lock_guard lock(mutex_);
+  const auto it = entries_.find(producer);
+  if (it == entries_.end()) return;
+  Entry& e = *it->second;
+  e.grants.erase(consumer);
+  e.position.erase(consumer);
+  if (e.position.empty()) {
+    if (e.on_disk) disk_.remove(producer);
+    entries_.erase(it);
+  }
+}
+
+void ContextTiers::step_started(int position) {
+  if (!options_.prefetch || options_.budget_bytes == 0) return;
+  std::lock_guard lock(mutex_);
+  // What stays at rest after this step: resident contexts a later step needs.
+  std::size_t kept = 0;
+  for (const auto& [name, ep] : entries_)
+    if (ep->resident || ep->restoring.valid()) {
+      for (const auto& [c, pos] : ep->position)
+        if (pos > position) {
+          kept += ep->kv_bytes;
+          break;
+        }
+    }
+  for (auto& [name, ep] : entries_) {
+    Entry& e = *ep;
+    if (e.resident || e.restoring.valid() || next_use(e) != position + 1) continue;
+    // Only what the budget can keep: a prefetch evicted again at the step's end would be wasted work.
+    if (kept + e.kv_bytes > options_.budget_bytes) continue;
+    kept += e.kv_bytes;
+    e.restoring = std::async(std::launch::async, [this, &e] {
+      std::unique_lock l(mutex_);
+      restore_into(e, l, true);
+    });
+  }
+}
+
+void ContextTiers::evict_locked(Entry& e, std::unique_lock<std::mutex>& lock) {
+  QKV_CHECK(e.resident && !e.grants.empty());
+  const auto& [grantee, d] = *e.grants.begin();
+  if (!e.on_disk) {
+    try {
+      const SpillResult r = disk_.spill(pool_, d, grantee, e.producer);
+      stats_.bytes_written += r.file_bytes;
+      ++stats_.spills;
+      e.on_disk = true;
+    } catch (const Error& err) {
+      // Nothing changed in the pool: the context stays in RAM, and says why.
+      e.spill_failed = true;
+      stats_.failures.push_back(fmt::format("spill of '{}' failed, kept in RAM: {}", e.producer, err.what()));
+      return;
+    }
+  }
+  pool_.revoke(d, e.producer);  // every grant ends; the blocks go back to the pool
+  e.grants.clear();
+  e.resident = false;
+  ++stats_.evictions;
+  (void)lock;
+}
+
+void ContextTiers::step_finished(int position) {
+  if (options_.budget_bytes == 0) return;
+  std::unique_lock lock(mutex_);
+  const int now = position + 1;
+  std::size_t bytes = pool_bytes();
+  while (bytes > options_.budget_bytes) {
+    Entry* victim = nullptr;
+    for (auto& [name, ep] : entries_) {
+      Entry& e = *ep;
+      if (ready(e.restoring)) {  // a finished prefetch is resident like any other context
+        std::string failed;
+        lock.unlock();
+        try {
+          e.restoring.get();
+        } catch (const Error& err) {
+          failed = err.what();
+        }
+        lock.lock();
+        if (!failed.empty()) stats_.failures.push_back(fmt::format("prefetch of '{}' failed: {}", e.producer, failed));
+      }
+      if (!e.resident || e.restoring.valid() || e.spill_failed || e.grants.empty()) continue;
+      const auto key = [&](const Entry& x) { return std::make_pair(next_use(x) - now, -static_cast<long long>(x.last_use)); };
+      if (victim == nullptr || key(e) > key(*victim)) victim = &e;
+    }
+    if (victim == nullptr) break;
+    evict_locked(*victim, lock);
+    bytes = pool_bytes();
+  }
+  stats_.peak_at_rest_bytes = std::max(stats_.peak_at_rest_bytes, bytes);
+}
+
+TierStats ContextTiers::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+}  // namespace qkvshare

@@ -1,0 +1,119 @@
+// ContextTiers on its own (no orchestrator): the victim is the context needed
+// furthest ahead, the next step's input is prefetched on a background thread
+// (run under ThreadSanitizer in CI), and a restored context opens exactly.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/tiers/context_tiers.hpp"
+#include "share/share_test_util.hpp"
+
+namespace qkvshare {
+namespace {
+
+class Tiers : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = testing::load_stories();
+    fp_ = model_fingerprint(*model_);
+    engine_ = std::make_unique<Engine>(*model_, EngineOptions{1});
+    pool_ = SharePool::create_anonymous(testing::small_config());
+    pool_->kv_pool(engine_->kv_shape());
+  }
+
+  // A context of `n` tokens sealed by `producer`, granted to `consumer`; returns the expected logits of 3 more tokens.
+  std::vector<float> produce(const std::string& producer, const std::string& consumer, int n,
+                             std::map<std::string, Descriptor>& grants) {
+    auto s = new_pooled_session(*pool_, *engine_, KvFormat::parse("int4"), 512);
+    std::vector<TokenId> ids{model_->tokenizer().bos_id()};
+    for (int i = 1; i < n; ++i) ids.push_back(static_cast<TokenId>(20 + (i * 37 + producer.size()) % 400));
+    engine_->forward(*s, ids);
+    const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *s, producer);
+    grants[consumer] = pool_->grant(sealed, producer, consumer);
+    pool_->release(sealed);
+    auto fork = std::make_unique<Session>(dynamic_cast<const PooledKvCache&>(s->cache()).fork(), s->tokens());
+    s.reset();
+    const auto l = engine_->forward(*fork, std::vector<TokenId>{5, 6, 7}, true);
+    return {l.begin(), l.end()};
+  }
+
+  std::vector<float> open_and_continue(const Descriptor& d, const std::string& consumer) {
+    HandoffResult h = open_session(*pool_, *engine_, fp_, d, consumer, {HandoffMode::kv, true});
+    EXPECT_TRUE(h.kv);
+    const auto l = engine_->forward(*h.session, std::vector<TokenId>{5, 6, 7}, true);
+    std::vector<float> out(l.begin(), l.end());
+    h.session.reset();
+    pool_->release(d, consumer);
+    return out;
+  }
+
+  std::unique_ptr<Model> model_;
+  ModelFingerprint fp_;
+  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<SharePool> pool_;
+};
+
+TEST_F(Tiers, EvictsTheContextNeededLastAndPrefetchesItBeforeItsConsumer) {
+  const std::map<std::string, int> position{{"c1", 2}, {"c2", 3}};
+  std::map<std::string, Descriptor> g1, g2;
+  const auto want1 = produce("p1", "c1", 200, g1);
+  const auto want2 = produce("p2", "c2", 200, g2);
+  const std::size_t both = pool_->stats().kv.bytes_used;
+  TierOptions o;
+  o.budget_bytes = both * 6 / 10;  // room for one of the two
+  o.spill_dir = testing::temp_dir() + "/tiers";
+  {
+    ContextTiers tiers(*pool_, o);
+    tiers.add("p1", g1, position);
+    tiers.add("p2", g2, position);
+    tiers.step_finished(1);  // p2's consumer runs later: p2 goes to disk
+    TierStats st = tiers.stats();
+    EXPECT_EQ(st.spills, 1);
+    EXPECT_LE(pool_->stats().kv.bytes_used, o.budget_bytes);
+    // c1 runs; p2 is needed next, and p1 is not needed after c1, so p2 fits
+    // the budget after this step: it is prefetched while c1 runs.
+    tiers.step_started(2);
+    const Descriptor d1 = tiers.acquire("p1", "c1");
+    const auto got1 = open_and_continue(d1, "c1");
+    tiers.consumed("p1", "c1");
+    tiers.step_finished(2);
+    EXPECT_EQ(0, std::memcmp(want1.data(), got1.data(), want1.size() * sizeof(float)));
+    tiers.step_started(3);
+    const Descriptor d2 = tiers.acquire("p2", "c2");
+    st = tiers.stats();
+    EXPECT_EQ(st.prefetches, 1);
+    EXPECT_EQ(st.restores_on_demand, 0);
+    const auto got2 = open_and_continue(d2, "c2");
+    EXPECT_EQ(0, std::memcmp(want2.data(), got2.data(), want2.size() * sizeof(float)));
+    tiers.consumed("p2", "c2");
+    EXPECT_TRUE(std::filesystem::is_empty(o.spill_dir));
+  }
+  EXPECT_EQ(pool_->stats().contexts, 0);
+}
+
+TEST_F(Tiers, ContextOnDiskWhenItsConsumerStartsIsRestoredOnDemand) {
+  const std::map<std::string, int> position{{"c1", 1}};
+  std::map<std::string, Descriptor> g1;
+  const auto want = produce("p1", "c1", 150, g1);
+  TierOptions o;
+  o.budget_bytes = 1;  // nothing fits at rest
+  o.spill_dir = testing::temp_dir() + "/tiers";
+  o.prefetch = false;
+  ContextTiers tiers(*pool_, o);
+  tiers.add("p1", g1, position);
+  tiers.step_finished(0);
+  EXPECT_EQ(pool_->stats().kv.bytes_used, 0u);
+  tiers.step_started(1);
+  const Descriptor d = tiers.acquire("p1", "c1");
+  EXPECT_EQ(tiers.stats().restores_on_demand, 1);
+  EXPECT_NE(d.context_id, g1.at("c1").context_id);  // a new record, the same context
+  const auto got = open_and_continue(d, "c1");
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  tiers.consumed("p1", "c1");
+  EXPECT_THROW(tiers.acquire("p1", "c1"), Error);
+}
+
+}  // namespace
+}  // namespace qkvshare
