@@ -72,3 +72,8 @@ if ! .venv/bin/python -c "import openai, langgraph, langchain_openai" 2>/dev/nul
   echo "[setup] installing Python packages from tests/server/requirements.txt" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/server/requirements.txt >&2
 fi
+# The benchmark scripts' plots (bench/*.py); README lists it.
+if ! .venv/bin/python -c "import matplotlib" 2>/dev/null; then
+  echo "[setup] installing matplotlib for the benchmark plots" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check matplotlib==3.11.2 >&2
+fi

@@ -1,12 +1,15 @@
 #include "qkvshare/agents/orchestrator.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/generate.hpp"
+#include "qkvshare/engine/scheduler.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 #include "qkvshare/share/handoff.hpp"
 #include "reference_trace.hpp"
@@ -49,6 +52,7 @@ struct Runtime {
   std::unique_ptr<Model> model;
   std::unique_ptr<Engine> engine;
   std::shared_ptr<KvPool> private_pool;
+  std::unique_ptr<Scheduler> scheduler;  // made on first use
 };
 
 // What a finished step leaves for its consumers.
@@ -64,6 +68,23 @@ struct StepResult {
   int reply_in_kv = 0;            // reply tokens with KV in it
 };
 
+// A step between its preparation and its end (its request runs on the scheduler meanwhile).
+struct Running {
+  int step_index = 0;
+  Clock::time_point t0, submitted;
+  StepMetrics m;
+  StepResult result;                 // filled as the step goes
+  std::unique_ptr<Session> session;
+  std::vector<TokenId> feed;         // what the request feeds before generating
+  std::string transcript;
+  int n0 = 0;                        // session tokens before the feed
+  const TraceStep* forced = nullptr; // equal work: the reference run's step
+  std::size_t scored = 0;            // forced tokens scored so far
+  QualitySum quality;
+  bool recording = false;
+  TraceStep rec;
+};
+
 class Run {
  public:
   Run(const Workflow& wf, const std::string& model_path, const std::string& tok_path, const RunOptions& opts)
@@ -73,11 +94,13 @@ class Run {
       // Each agent that runs a step is its own engine with its own weights.
       for (const auto& s : wf.steps) {
         if (runtimes_.count(s.agent)) continue;
-        runtimes_[s.agent] = load(model_path, tok_path, MappedFile::Mode::private_copy, true);
+        runtimes_[s.agent] = load(model_path, tok_path, MappedFile::Mode::private_copy, 2);
         report_.weight_copies_bytes += runtimes_[s.agent]->model->weight_bytes();
       }
     } else {
-      shared_ = load(model_path, tok_path, MappedFile::Mode::shared, opts.mode == RunMode::shared_text);
+      // Text handoffs in one engine: a private pool with room for every step's context at once (concurrent steps).
+      shared_ = load(model_path, tok_path, MappedFile::Mode::shared,
+                     opts.mode == RunMode::shared_text ? static_cast<int>(wf.steps.size()) + 1 : 0);
       report_.weight_copies_bytes = shared_->model->weight_bytes();
       if (opts.mode == RunMode::qkvshare) {
         fingerprint_ = model_fingerprint(*shared_->model);
@@ -104,25 +127,80 @@ class Run {
     report_.kv = opts.mode == RunMode::qkvshare ? opts.kv : text_kv();
   }
 
+  // Starts every step whose inputs are done, advances all running steps by
+  // one scheduler pass (ready steps of one engine share forward passes),
+  // completes those that finished, repeats. Independent agents are separate
+  // engines, one step at a time as separate model instances would run.
   RunReport run() {
     const auto t0 = Clock::now();
-    int index = 0;
+    const std::size_t n = wf_.steps.size();
+    // A KV budget holds at rest, between steps (tiers/context_tiers.hpp): with
+    // concurrent steps some session would always be live, so it runs them one at a time.
+    const bool concurrent = opts_.concurrent && opts_.mode != RunMode::independent && !tiers_;
     for (std::size_t p = 0; p < wf_.order.size(); ++p)
       position_[wf_.steps[static_cast<std::size_t>(wf_.order[p])].id] = static_cast<int>(p);
-    for (int i : wf_.order) {
-      const StepSpec& step = wf_.steps[static_cast<std::size_t>(i)];
-      progress(fmt::format("[{}/{}] {} ({}): running", ++index, wf_.steps.size(), step.id, step.agent));
-      if (tiers_) tiers_->step_started(index - 1);  // prefetch what the next step needs
-      StepMetrics m = run_step(step);
-      if (tiers_) tiers_->step_finished(index - 1);  // evict until the budget holds
+    std::vector<char> started(n, 0), done(n, 0);
+    std::vector<std::optional<StepMetrics>> metrics(n);
+    std::map<Runtime*, std::map<RequestId, std::unique_ptr<Running>>> running;
+    std::size_t finished = 0, in_flight = 0;
+    int index = 0;
+    const auto complete = [&](Running& r, const RequestResult* result) {
+      const StepSpec& step = wf_.steps[static_cast<std::size_t>(r.step_index)];
+      const int pos = position_.at(step.id);
+      StepMetrics m = complete_step(r, result);
+      if (tiers_) tiers_->step_finished(pos);  // evict until the budget holds
       progress(fmt::format("[{}/{}] {}: {} | prefill {} computed, {} reused | {} new tokens | ttft {:.3f} s | {:.2f} s",
-                           index, wf_.steps.size(), step.id, m.handoff, m.prefill_computed, m.prefill_reused,
-                           m.decode_tokens, m.ttft_seconds, m.seconds));
+                           pos + 1, n, m.step, m.handoff, m.prefill_computed, m.prefill_reused, m.decode_tokens,
+                           m.ttft_seconds, m.seconds));
       report_.prefill_computed += m.prefill_computed;
       report_.prefill_reused += m.prefill_reused;
-      report_.steps.push_back(std::move(m));
-      release_finished_inputs(step);
+      metrics[static_cast<std::size_t>(pos)] = std::move(m);
+      done[static_cast<std::size_t>(r.step_index)] = 1;
+      ++finished;
+    };
+    while (finished < n) {
+      for (int i : wf_.order) {
+        const StepSpec& step = wf_.steps[static_cast<std::size_t>(i)];
+        if (started[static_cast<std::size_t>(i)] || (!concurrent && in_flight > 0)) continue;
+        bool ready = true;
+        for (const StepInput& in : step.inputs) ready = ready && done[static_cast<std::size_t>(index_of(in.from))];
+        if (!ready) continue;
+        started[static_cast<std::size_t>(i)] = 1;
+        progress(fmt::format("[{}/{}] {} ({}): running", ++index, n, step.id, step.agent));
+        if (tiers_) tiers_->step_started(position_.at(step.id));  // prefetch what the next step needs
+        auto r = prepare_step(i);
+        r->m.start_seconds = std::chrono::duration<double>(r->t0 - t0).count();
+        if (r->feed.empty()) {
+          complete(*r, nullptr);
+          continue;
+        }
+        Runtime& rt = runtime(step.agent);
+        const RequestId id = scheduler(rt).submit(request_for(*r));
+        r->submitted = Clock::now();
+        running[&rt].emplace(id, std::move(r));
+        ++in_flight;
+      }
+      if (in_flight == 0) {
+        QKV_CHECK(finished == n);  // every unstarted step waits on a running one
+        continue;
+      }
+      for (auto& [rt, steps] : running) {
+        if (steps.empty()) continue;
+        Scheduler& sched = scheduler(*rt);
+        sched.step();
+        ++report_.forward_passes;
+        sample_peak_kv();
+        for (RequestResult& res : sched.take_finished()) {
+          auto it = steps.find(res.id);
+          QKV_CHECK(it != steps.end());
+          if (res.error) throw *res.error;  // the workflow fails as generate() would have
+          complete(*it->second, &res);
+          steps.erase(it);
+          --in_flight;
+        }
+      }
     }
+    for (auto& m : metrics) report_.steps.push_back(std::move(*m));
     report_.total_seconds = since(t0);
     if (tiers_) report_.tiers = tiers_->stats();
     tiers_.reset();  // removes the spill files
@@ -136,18 +214,20 @@ class Run {
   }
 
  private:
+  // private_contexts > 0: a private pool (text modes) with room for that many full contexts.
   std::unique_ptr<Runtime> load(const std::string& path, const std::string& tok, MappedFile::Mode mode,
-                                bool private_pool) {
+                                int private_contexts) {
     auto r = std::make_unique<Runtime>();
     r->model = Model::load(path, tok, mode);
     EngineOptions eo;
     eo.n_threads = opts_.threads;
     eo.exact_matmul = opts_.exact_matmul;
     r->engine = std::make_unique<Engine>(*r->model, eo);
-    if (private_pool) {
+    if (private_contexts > 0) {
       PoolConfig pc;
       pc.shape = r->engine->kv_shape();
-      pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, pc.block_tokens, KvFormat::parse(text_kv()), opts_.context, 2);
+      pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, pc.block_tokens, KvFormat::parse(text_kv()), opts_.context,
+                                                  private_contexts);
       r->private_pool = KvPool::create(pc);
     }
     return r;
@@ -164,27 +244,61 @@ class Run {
     if (opts_.progress) opts_.progress(line);
   }
 
-  std::size_t live_kv_bytes(const Session& current) const {
-    if (pool_) return pool_->stats().kv.bytes_used;
-    const auto* pooled = dynamic_cast<const PooledKvCache*>(&current.cache());
+  int index_of(const std::string& step_id) const {
+    for (std::size_t i = 0; i < wf_.steps.size(); ++i)
+      if (wf_.steps[i].id == step_id) return static_cast<int>(i);
+    fail(ErrorCode::bad_workflow, "{}: no step '{}'", wf_.source, step_id);
+  }
+
+  Scheduler& scheduler(Runtime& rt) {
+    if (!rt.scheduler) {
+      SchedulerOptions so;
+      so.token_budget = opts_.token_budget > 0 ? opts_.token_budget : rt.engine->options().max_batch;
+      rt.scheduler = std::make_unique<Scheduler>(*rt.engine, so);
+    }
+    return *rt.scheduler;
+  }
+
+  static std::size_t session_kv_bytes(const Session& session) {
+    const auto* pooled = dynamic_cast<const PooledKvCache*>(&session.cache());
     return pooled != nullptr ? pooled->kv_bytes() : 0;
   }
 
-  StepMetrics run_step(const StepSpec& step) {
-    const auto t0 = Clock::now();
+  // KV bytes held at once right now (every live session and sealed context),
+  // sampled after every scheduler pass and step completion.
+  void sample_peak_kv() {
+    std::size_t live = 0;
+    if (pool_) {
+      live = pool_->stats().kv.bytes_used;
+    } else {
+      if (shared_ && shared_->private_pool) live += shared_->private_pool->counters().bytes_used;
+      for (const auto& [name, rt] : runtimes_)
+        if (rt->private_pool) live += rt->private_pool->counters().bytes_used;
+    }
+    report_.peak_kv_bytes = std::max(report_.peak_kv_bytes, live);
+  }
+
+  // A step's context and the tokens it still has to feed: a new session, an
+  // opened handoff, a splice, or a text re-read (every mode's preparation).
+  std::unique_ptr<Running> prepare_step(int step_index) {
+    const StepSpec& step = wf_.steps[static_cast<std::size_t>(step_index)];
+    auto run = std::make_unique<Running>();
+    Running& r = *run;
+    r.step_index = step_index;
+    r.t0 = Clock::now();
     const AgentSpec& agent = wf_.agents.at(step.agent);
     Runtime& rt = runtime(step.agent);
     const Tokenizer& tok = rt.model->tokenizer();
     const TurnFormat turns(*rt.model);
-    StepMetrics m;
+    StepMetrics& m = r.m;
     m.step = step.id;
     m.agent = step.agent;
     const std::string prompt = render_prompt(wf_, step, outputs_);
 
-    std::unique_ptr<Session> session;
-    std::vector<TokenId> feed;
-    std::string transcript;
-    StepResult result;
+    std::unique_ptr<Session>& session = r.session;
+    std::vector<TokenId>& feed = r.feed;
+    std::string& transcript = r.transcript;
+    StepResult& result = r.result;
     const StepInput* base = step.context_input();
     if (base != nullptr && opts_.mode == RunMode::qkvshare) {
       StepResult& up = results_.at(base->from);
@@ -272,48 +386,71 @@ class Run {
       }
     }
 
-    GenerateOptions go;
+    r.n0 = session->n_past();
+    if (forcing_) {
+      const auto forced = trace_.steps.find(step.id);
+      if (forced != trace_.steps.end()) r.forced = &forced->second;
+    }
+    r.recording = !opts_.record_reference.empty() && r.forced == nullptr;
+    return run;
+  }
+
+  // The step's request: its generation settings, or the reference run's
+  // tokens (equal work), with the logits scored or recorded as they come.
+  Request request_for(Running& r) {
+    const StepSpec& step = wf_.steps[static_cast<std::size_t>(r.step_index)];
+    const AgentSpec& agent = wf_.agents.at(step.agent);
+    Request req;
+    req.session = r.session.get();
+    req.prompt = r.feed;
+    GenerateOptions& go = req.options;
     go.max_new_tokens = opts_.max_tokens_cap > 0 ? std::min(agent.max_tokens, opts_.max_tokens_cap) : agent.max_tokens;
     go.sampling = agent.sampling;
     go.stop_strings = agent.stop;
-    if (feed.empty()) {
-      m.ttft_seconds = since(t0);
+    if (r.forced != nullptr) {
+      go.forced = r.forced->tokens;
+      if (go.forced.empty()) go.max_new_tokens = 0;
+      go.on_logits = [&r](std::span<const float> logits) {
+        const TraceStep& ref = *r.forced;
+        r.quality.add(&ref.logprobs[r.scored * logits.size()], logits, ref.tokens[r.scored]);
+        ++r.scored;
+      };
+    } else if (r.recording) {
+      go.on_logits = [&r](std::span<const float> logits) {
+        std::vector<float> row;
+        log_softmax(logits, row);
+        r.rec.logprobs.insert(r.rec.logprobs.end(), row.begin(), row.end());
+      };
+    }
+    return req;
+  }
+
+  // What a finished step leaves: metrics (times from the step's own start),
+  // its output, the seal and grants of its context for the steps building on
+  // it. `g` is null for a step that had nothing to feed.
+  StepMetrics complete_step(Running& r, const RequestResult* res) {
+    const StepSpec& step = wf_.steps[static_cast<std::size_t>(r.step_index)];
+    Runtime& rt = runtime(step.agent);
+    StepMetrics m = std::move(r.m);
+    StepResult result = std::move(r.result);
+    std::unique_ptr<Session> session = std::move(r.session);
+    if (res == nullptr) {
+      m.ttft_seconds = since(r.t0);
     } else {
-      const int n0 = session->n_past();
-      QualitySum quality;
-      GenerateResult g;
-      const auto forced = forcing_ ? trace_.steps.find(step.id) : trace_.steps.end();
-      if (forced != trace_.steps.end()) {  // equal work: the reference run's tokens
-        const TraceStep& ref = forced->second;
-        std::size_t i = 0;
-        g = generate_forced(*rt.engine, *session, feed, ref.tokens, [&](std::span<const float> logits) {
-          quality.add(&ref.logprobs[i * logits.size()], logits, ref.tokens[i]);
-          ++i;
-        });
-      } else {
-        TraceStep rec;
-        if (!opts_.record_reference.empty())
-          go.on_logits = [&](std::span<const float> logits) {
-            const std::size_t at = rec.logprobs.size();
-            rec.logprobs.resize(at + logits.size());
-            std::vector<float> row;
-            log_softmax(logits, row);
-            std::copy(row.begin(), row.end(), rec.logprobs.begin() + static_cast<std::ptrdiff_t>(at));
-          };
-        g = generate(*rt.engine, *session, feed, go);
-        if (!opts_.record_reference.empty()) {
-          const std::size_t vocab = static_cast<std::size_t>(rt.model->config().vocab_size);
-          rec.tokens = g.tokens;
-          rec.logprobs.resize(g.tokens.size() * vocab);  // not the row that sampled the end of generation
-          for (std::size_t i = 0; i < g.tokens.size(); ++i) {
-            std::vector<float> row(rec.logprobs.begin() + static_cast<std::ptrdiff_t>(i * vocab),
-                                   rec.logprobs.begin() + static_cast<std::ptrdiff_t>((i + 1) * vocab));
-            std::vector<float> logits(row.begin(), row.end());
-            quality.add(row.data(), logits, g.tokens[i]);  // its own PPL; KL 0, top-1 1
-          }
-          trace_.vocab = static_cast<int>(vocab);
-          trace_.steps[step.id] = std::move(rec);
+      const GenerateResult& g = res->generation;
+      QualitySum& quality = r.quality;
+      if (r.recording) {
+        const std::size_t vocab = static_cast<std::size_t>(rt.model->config().vocab_size);
+        TraceStep& rec = r.rec;
+        rec.tokens = g.tokens;
+        rec.logprobs.resize(g.tokens.size() * vocab);  // not the row that sampled the end of generation
+        for (std::size_t i = 0; i < g.tokens.size(); ++i) {
+          std::vector<float> row(rec.logprobs.begin() + static_cast<std::ptrdiff_t>(i * vocab),
+                                 rec.logprobs.begin() + static_cast<std::ptrdiff_t>((i + 1) * vocab));
+          quality.add(row.data(), row, g.tokens[i]);  // its own PPL; KL 0, top-1 1
         }
+        trace_.vocab = static_cast<int>(vocab);
+        trace_.steps[step.id] = std::move(rec);
       }
       if (quality.n > 0) {
         m.kl = quality.kl / quality.n;
@@ -321,30 +458,32 @@ class Run {
         m.nll = quality.nll / quality.n;
         m.scored_tokens = quality.n;
       }
-      m.ttft_seconds = m.handoff_seconds + g.prefill_seconds;
+      // The scheduler times submission to first token; before it, the step's own preparation.
+      m.ttft_seconds = g.tokens.empty() ? since(r.t0)
+                                        : std::chrono::duration<double>(r.submitted - r.t0).count() + res->ttft_seconds;
       m.prefill_computed += g.prefill_tokens;
       m.decode_tokens = static_cast<int>(g.tokens.size());
       m.output_tokens = g.tokens;
       m.output = g.text;
       result.reply = g.tokens;
-      result.reply_begin = n0 + static_cast<int>(feed.size());
+      result.reply_begin = r.n0 + static_cast<int>(r.feed.size());
       result.reply_in_kv = session->n_past() - result.reply_begin;
       // The last sampled token has no KV yet; a continuing consumer feeds it.
       if (!g.tokens.empty() &&
-          session->n_past() < n0 + static_cast<int>(feed.size()) + static_cast<int>(g.tokens.size()))
+          session->n_past() < r.n0 + static_cast<int>(r.feed.size()) + static_cast<int>(g.tokens.size()))
         result.pending.push_back(g.tokens.back());
     }
     result.output = m.output;
-    result.transcript = transcript + m.output;
-    m.kv_bytes = live_kv_bytes(*session);
-    report_.peak_kv_bytes = std::max(report_.peak_kv_bytes, m.kv_bytes);
+    result.transcript = r.transcript + m.output;
+    m.kv_bytes = session_kv_bytes(*session);
+    sample_peak_kv();
 
     if (pool_) hand_over(step, *session, result);
     session.reset();
-    if (pool_) report_.peak_kv_bytes = std::max(report_.peak_kv_bytes, pool_->stats().kv.bytes_used);
+    sample_peak_kv();
     outputs_[step.id] = result.output;
     results_[step.id] = std::move(result);
-    m.seconds = since(t0);
+    m.seconds = since(r.t0);
     return m;
   }
 
@@ -391,10 +530,6 @@ class Run {
     pool_->release(sealed);
     if (tiers_) tiers_->add(step.id, result.grants, position_);
   }
-
-  // Text outputs are plain strings; nothing to release for them. Context
-  // grants are released by their consumers as they open them.
-  void release_finished_inputs(const StepSpec&) {}
 
   const Workflow& wf_;
   RunOptions opts_;

@@ -30,11 +30,13 @@ std::string RunReport::json() const {
   j["splices"] = splices;
   j["guard_raised"] = guard_raised;
   j["guard_text"] = guard_text;
+  j["forward_passes"] = forward_passes;
   j["steps"] = nlohmann::json::array();
   for (const auto& s : steps) {
     j["steps"].push_back({{"step", s.step},
                           {"agent", s.agent},
                           {"handoff", s.handoff},
+                          {"start_seconds", s.start_seconds},
                           {"ttft_seconds", s.ttft_seconds},
                           {"seconds", s.seconds},
                           {"handoff_seconds", s.handoff_seconds},
@@ -88,11 +90,13 @@ RunReport RunReport::from_json(const std::string& text) {
     r.splices = j.at("splices").get<int>();
     r.guard_raised = j.at("guard_raised").get<int>();
     r.guard_text = j.at("guard_text").get<int>();
+    r.forward_passes = j.value("forward_passes", std::uint64_t{0});
     for (const auto& s : j.at("steps")) {
       StepMetrics m;
       m.step = s.at("step").get<std::string>();
       m.agent = s.at("agent").get<std::string>();
       m.handoff = s.at("handoff").get<std::string>();
+      m.start_seconds = s.value("start_seconds", 0.0);
       m.ttft_seconds = s.at("ttft_seconds").get<double>();
       m.seconds = s.at("seconds").get<double>();
       m.handoff_seconds = s.at("handoff_seconds").get<double>();

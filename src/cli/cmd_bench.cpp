@@ -15,6 +15,7 @@
 #include <numeric>
 #include <random>
 
+#include "bench_batch.hpp"
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/engine.hpp"
@@ -32,6 +33,9 @@ struct BenchArgs {
   std::string json_path;
   std::uint64_t seed = 1234;
   bool no_warmup = false;
+  std::vector<int> batches;  // non-empty: the batched decode tests (bench_batch.hpp) instead
+  std::vector<std::string> kv{"f16"};
+  bool shared_prefix = false;
 };
 
 struct TestResult {
@@ -186,13 +190,17 @@ void run_bench(const BenchArgs& a) {
   if (!a.no_warmup) bench.warmup();
 
   std::vector<TestResult> results;
-  if (a.n_prompt > 0) {
+  nlohmann::json batch_tests;
+  if (!a.batches.empty()) {
+    BatchBenchArgs ba{a.batches, a.kv, a.depths, a.n_gen, a.reps, a.seed, a.shared_prefix};
+    batch_tests = run_batch_bench(engine, ba);
+  } else if (a.n_prompt > 0) {
     if (a.n_prompt > c.context_length)
       fail(ErrorCode::invalid_argument, "--n-prompt: {} tokens exceed the model's context length {}", a.n_prompt,
            c.context_length);
     results.push_back(bench.prefill(a.n_prompt));
   }
-  if (a.n_gen > 0) {
+  if (a.n_gen > 0 && a.batches.empty()) {
     for (const int depth : a.depths) {
       if (depth + a.n_gen > c.context_length) {
         std::fprintf(stderr, "[bench] skipping tg%d @ d%d: exceeds the model's context length %d\n", a.n_gen, depth,
@@ -227,6 +235,7 @@ void run_bench(const BenchArgs& a) {
                      {"peak_rss_bytes", rss},
                      {"tests", nlohmann::json::array()}};
     for (const TestResult& r : results) j["tests"].push_back(to_json(r));
+    for (const auto& t : batch_tests) j["tests"].push_back(t);
     std::ofstream out(a.json_path);
     out << j.dump(2) << "\n";
     out.close();
@@ -255,6 +264,15 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--json", args->json_path, "Also write the results as JSON to this file");
   cmd->add_option("--seed", args->seed, "Seed of the random token ids")->capture_default_str();
   cmd->add_flag("--no-warmup", args->no_warmup, "Skip the warm-up pass (which pages the weights in)");
+  cmd->add_option("--batch", args->batches,
+                  "Batched decode instead: sessions decoding together, e.g. 1,2,4,8 (llama-batched-bench's test)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 4096));
+  cmd->add_flag("--shared-prefix", args->shared_prefix,
+                "Batched decode: all sessions fork one filled context (llama-batched-bench -pps)");
+  cmd->add_option("--kv", args->kv, "KV formats of the batched decode tests, e.g. f16,int8,int4")
+      ->delimiter(',')
+      ->capture_default_str();
   cmd->callback([args] { run_bench(*args); });
 }
 

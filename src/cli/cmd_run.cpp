@@ -29,6 +29,8 @@ struct RunArgs {
   double guard_threshold = -1;
   std::string modes;  // --modes: labels for --compare (the first is the reference)
   bool quiet = false;
+  bool sequential = false;
+  int token_budget = 256;
   std::string json;
   std::string kv_budget, spill_dir, key;
   bool no_prefetch = false;
@@ -73,6 +75,8 @@ void execute(const Workflow& wf, const RunArgs& a) {
   opts.context = a.ctx;
   opts.max_tokens_cap = a.max_tokens;
   opts.splice.threshold = a.guard_threshold;
+  opts.concurrent = !a.sequential;
+  opts.token_budget = a.token_budget;
   if (!a.quiet) opts.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   if (!a.kv_budget.empty()) {
     opts.tiers.budget_bytes = parse_bytes(a.kv_budget, "--kv-budget");
@@ -117,6 +121,10 @@ void add_common(CLI::App& cmd, RunArgs& a) {
   cmd.add_option("--ctx", a.ctx, "Token capacity of each session")->check(CLI::Range(16, 1 << 20));
   cmd.add_option("--max-tokens", a.max_tokens, "Cap every agent's new tokens (0: as the workflow says)")
       ->check(CLI::Range(0, 1 << 20));
+  cmd.add_flag("--sequential", a.sequential, "One step at a time (default: ready steps share forward passes)");
+  cmd.add_option("--token-budget", a.token_budget, "Tokens per scheduler pass (prompt chunks + decode tokens)")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
   cmd.add_flag("--compare", a.compare, "Run in every mode and print one comparison table");
   cmd.add_option("--guard-threshold", a.guard_threshold,
                  "Splice guard: estimate above which more is recomputed (default: calibrated per KV format)");

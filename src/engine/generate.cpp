@@ -41,31 +41,14 @@ GenerateResult generate(Engine& engine, Session& session, std::span<const TokenI
   return std::move(done[0].generation);
 }
 
-namespace {
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-}  // namespace
-
 GenerateResult generate_forced(Engine& engine, Session& session, std::span<const TokenId> prompt,
                                std::span<const TokenId> forced,
                                const std::function<void(std::span<const float>)>& on_logits) {
-  if (prompt.empty()) fail(ErrorCode::invalid_argument, "generate: the prompt has no tokens");
-  GenerateResult result;
-  const auto t0 = Clock::now();
-  std::span<const float> logits = engine.forward(session, prompt);
-  result.prefill_tokens = static_cast<int>(prompt.size());
-  result.prefill_seconds = seconds_since(t0);
-  const auto t1 = Clock::now();
-  for (std::size_t i = 0; i < forced.size(); ++i) {
-    if (on_logits) on_logits(logits);
-    if (i + 1 == forced.size()) break;
-    logits = engine.forward(session, forced.subspan(i, 1));
-    ++result.decode_tokens;
-  }
-  result.tokens.assign(forced.begin(), forced.end());
-  result.text = engine.model().tokenizer().decode(result.tokens);
-  result.decode_seconds = seconds_since(t1);
-  return result;
+  GenerateOptions options;
+  options.forced.assign(forced.begin(), forced.end());
+  options.max_new_tokens = static_cast<int>(forced.size());
+  options.on_logits = on_logits;
+  return generate(engine, session, prompt, options);
 }
 
 }  // namespace qkvshare

@@ -48,6 +48,14 @@ RequestId Scheduler::submit(Request request) {
     fail(ErrorCode::invalid_argument, "max new tokens must be >= 0, got {}", request.options.max_new_tokens);
   request.options.sampling.validate();
   const ModelConfig& c = engine_.model().config();
+  if (!request.options.forced.empty()) {
+    for (TokenId t : request.options.forced)
+      if (t < 0 || t >= c.vocab_size)
+        fail(ErrorCode::invalid_argument, "submit: forced token id {} is outside the vocabulary [0, {})", t,
+             c.vocab_size);
+    request.options.max_new_tokens = static_cast<int>(request.options.forced.size());
+    request.options.stop_strings.clear();
+  }
   for (TokenId t : request.prompt)
     if (t < 0 || t >= c.vocab_size)
       fail(ErrorCode::invalid_argument, "submit: token id {} is outside the vocabulary [0, {})", t, c.vocab_size);
@@ -140,9 +148,10 @@ void Scheduler::sample(Active& a, std::span<const float> logits) {
     if (o.max_new_tokens == 0) return finish(a, StopReason::max_tokens, std::nullopt);
   }
   if (o.on_logits) o.on_logits(logits);
-  const TokenId next = a.sampler.sample(logits, session.tokens());
+  const bool forcing = !o.forced.empty();
+  const TokenId next = forcing ? o.forced[g.tokens.size()] : a.sampler.sample(logits, session.tokens());
   if (g.tokens.empty()) a.result.ttft_seconds = seconds_between(a.submitted, Clock::now());
-  if (o.stop_at_end_of_generation && tok.is_end_of_generation(next))
+  if (!forcing && o.stop_at_end_of_generation && tok.is_end_of_generation(next))
     return finish(a, StopReason::end_of_generation, std::nullopt);
   g.tokens.push_back(next);
   try {

@@ -1,4 +1,7 @@
 // Formatting and attaching pool arenas: geometry, header, free lists.
+#include <sys/mman.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -11,12 +14,16 @@ using namespace kv_pool_detail;
 
 HeapArena::HeapArena(std::size_t bytes) : size_(bytes) {
   if (bytes == 0) fail(ErrorCode::invalid_argument, "KV arena of 0 bytes");
-  void* p = std::aligned_alloc(4096, round_up(bytes, 4096));
-  if (p == nullptr) fail(ErrorCode::out_of_memory, "cannot allocate a KV arena of {} bytes", bytes);
-  std::memset(p, 0, round_up(bytes, 4096));
-  data_.reset(static_cast<std::byte*>(p));
+  // Anonymous pages are zero and page-aligned, and cost memory only once
+  // touched: a pool sized for many contexts holds (and a process's RSS
+  // shows) only the blocks in use, as with the shared-memory arena.
+  const std::size_t mapped = round_up(bytes, 4096);
+  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    fail(ErrorCode::out_of_memory, "cannot map a KV arena of {} bytes: {}", bytes, std::strerror(errno));
+  data_ = std::unique_ptr<std::byte, Free>(static_cast<std::byte*>(p), Free{mapped});
 }
-void HeapArena::Free::operator()(std::byte* p) const noexcept { std::free(p); }
+void HeapArena::Free::operator()(std::byte* p) const noexcept { ::munmap(p, bytes); }
 
 KvPool::KvPool(std::unique_ptr<Arena> arena, std::unique_ptr<PoolLock> lock)
     : arena_(std::move(arena)), lock_(lock ? std::move(lock) : std::make_unique<LocalPoolLock>()) {

@@ -134,6 +134,59 @@ TEST(Orchestrator, DemoComparisonRunsEndToEnd) {
   EXPECT_NE(format_comparison(runs).find("qkvshare:int4"), std::string::npos);
 }
 
+// Ready steps run together through the scheduler: W2-like forks start at
+// once and share forward passes, and with exact matmuls every output equals
+// the one-step-at-a-time run's (batching changes no result).
+TEST(Orchestrator, ConcurrentForksShareForwardPassesAndChangeNoOutput) {
+  const char* fanout = R"(agents:
+  reader: {prompt: "The dog ran to the park and found a red ball under a big tree.", max_tokens: 0}
+  a: {prompt: "What did the dog find?", max_tokens: 16}
+  b: {prompt: "Where did the dog go?", max_tokens: 20}
+  c: {prompt: "Once upon a time", max_tokens: 24, temperature: 0.8, seed: 7}
+  sum: {prompt: "All together:", max_tokens: 10}
+steps:
+  - {id: doc, agent: reader}
+  - {id: q1, agent: a, inputs: [{from: doc, mode: fork}]}
+  - {id: q2, agent: b, inputs: [{from: doc, mode: fork}]}
+  - {id: q3, agent: c, inputs: [{from: doc, mode: fork}]}
+  - {id: chain, agent: a, inputs: [{from: q1, mode: continue}]}
+  - {id: total, agent: sum, inputs: [q2, q3, chain]}
+)";
+  const Workflow wf = Workflow::parse(fanout, "fanout.yaml");
+  for (const RunMode mode : {RunMode::qkvshare, RunMode::shared_text}) {
+    for (const char* kv : {"f32", "int4"}) {
+      if (mode == RunMode::shared_text && std::string(kv) != "f32") continue;
+      RunOptions o = options(mode, kv);
+      o.threads = 2;
+      o.exact_matmul = true;
+      o.concurrent = false;
+      const RunReport seq = run_workflow(wf, kModel, kTok, o);
+      o.concurrent = true;
+      const RunReport con = run_workflow(wf, kModel, kTok, o);
+      ASSERT_EQ(seq.steps.size(), con.steps.size());
+      for (std::size_t i = 0; i < seq.steps.size(); ++i) {
+        EXPECT_EQ(con.steps[i].step, seq.steps[i].step);
+        EXPECT_EQ(con.steps[i].output_tokens, seq.steps[i].output_tokens) << kv << " " << seq.steps[i].step;
+        EXPECT_EQ(con.steps[i].prefill_computed, seq.steps[i].prefill_computed);
+        EXPECT_EQ(con.steps[i].prefill_reused, seq.steps[i].prefill_reused);
+      }
+      // q1..q3 overlap in time: each starts before the others end; chain waits for q1, total for all.
+      const auto& s = con.steps;
+      for (int i = 1; i <= 3; ++i)
+        for (int j = 1; j <= 3; ++j)
+          EXPECT_LT(s[static_cast<std::size_t>(i)].start_seconds,
+                    s[static_cast<std::size_t>(j)].start_seconds + s[static_cast<std::size_t>(j)].seconds);
+      EXPECT_GE(s[4].start_seconds, s[1].start_seconds + s[1].seconds - 1e-6);
+      EXPECT_GE(s[5].start_seconds, s[4].start_seconds + s[4].seconds - 1e-6);
+      EXPECT_LT(con.forward_passes, seq.forward_passes * 3 / 4) << kv;
+      if (mode == RunMode::qkvshare) {
+        EXPECT_EQ(con.contexts_alive_at_end, 0);
+        EXPECT_EQ(con.pool_blocks_used_at_end, 0u);
+      }
+    }
+  }
+}
+
 TEST(Orchestrator, TokenAgreement) {
   EXPECT_DOUBLE_EQ(token_agreement({1, 2, 3}, {1, 2, 3}), 1.0);
   EXPECT_DOUBLE_EQ(token_agreement({1, 2, 3, 4}, {1, 2}), 0.5);

@@ -38,6 +38,10 @@ check "bench with JSON" "$CLI" bench -m "$M" --threads 2 -r 2 -p 16 -n 4 -d 0,32
 cp "$tmp/out" "$tmp/bench.txt"
 check "bench JSON has the tests" grep -q '"name": "tg4"' "$tmp/b.json"
 check "bench table on stdout" grep -q "pp16" "$tmp/bench.txt"
+check "bench --batch with JSON" "$CLI" bench -m "$M" --threads 2 -r 1 -n 4 -d 0,8 --batch 1,3 --kv f16,int4 --json "$tmp/bb.json"
+cp "$tmp/out" "$tmp/batch.txt"
+check "bench --batch JSON has batched decode tests" grep -q '"kind": "batch_decode"' "$tmp/bb.json"
+check "bench --batch table has the speed-up column" grep -q "vs batch 1" "$tmp/batch.txt"
 check "bench skips depths beyond the context" "$CLI" bench -m "$M" -r 1 -p 8 -n 4 -d 0,100000
 
 expect_error "unknown shape 'nope'" make-model --shape nope -o "$tmp/x.gguf"
@@ -52,6 +56,10 @@ expect_error "cannot create" make-model --shape tiny-llama -o "$tmp/no/such/dir/
 expect_error "missing.gguf" bench -m "$tmp/missing.gguf"
 expect_error "--reps" bench -m "$M" -r 0
 expect_error "context length" bench -m "$M" -p 100000
+expect_error "KV format 'int9'" bench -m "$M" -r 1 -n 2 --batch 2 --kv f16,int9
+expect_error "--batch" bench -m "$M" -r 1 -n 2 --batch 0
+expect_error "--batch: 300 is not in" bench -m "$M" -r 1 -n 2 --batch 300
+expect_error "--n-gen" bench -m "$M" -r 1 -n 0 --batch 2
 [ -e "$tmp/x.gguf" ] && { echo "FAIL: a failed make-model left $tmp/x.gguf"; fails=$((fails+1)); }
 
 for cmd in bench make-model; do

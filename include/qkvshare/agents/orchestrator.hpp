@@ -10,6 +10,7 @@
 // Text edges (a step reading another's output inside its prompt) are text in
 // every mode.
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -39,6 +40,12 @@ struct RunOptions {
   // force the tokens of such a file and score against it (compare_modes).
   std::string record_reference, force_reference;
   SpliceOptions splice;     // the guard of splice edges (each edge's `recompute` replaces splice.recompute)
+  // Steps whose inputs are ready run at once through the engine's scheduler
+  // (their decode tokens share forward passes); false: one step at a time.
+  // Independent mode is always one at a time (separate engines), and so is a
+  // run under a KV budget (the budget holds between steps, when no session is live).
+  bool concurrent = true;
+  int token_budget = 256;   // tokens per scheduler pass (prompt chunks + decode tokens), <= max_batch
   std::function<void(const std::string&)> progress;  // one line per event, for stderr
   // qkvshare mode: a pool byte budget for contexts at rest, with disk spill
   // and prefetch (tiers/context_tiers.hpp); budget_bytes 0 turns it off.
@@ -48,13 +55,14 @@ struct RunOptions {
 struct StepMetrics {
   std::string step, agent;
   std::string handoff;        // "new", "text", "continue", "fork", or "fallback:<reason>"
+  double start_seconds = 0;   // when the step started, from the start of the run
   double ttft_seconds = 0;    // step start to the first generated token (handoff included)
-  double seconds = 0;         // the whole step
+  double seconds = 0;         // the whole step, from its own start (concurrent steps overlap)
   double handoff_seconds = 0; // opening the upstream context
   int prefill_computed = 0;   // tokens run through the model before the first new token
   int prefill_reused = 0;     // upstream tokens whose KV was reused instead
   int decode_tokens = 0;
-  std::size_t kv_bytes = 0;   // KV bytes of this step's context when it ends
+  std::size_t kv_bytes = 0;   // KV bytes of this step's context when it ends (shared blocks included)
   // Splice inputs (qkvshare mode): tokens spliced, of them recomputed, tokens
   // the guard's probes ran, its largest estimate, the largest recompute
   // fraction used, and how often it raised the fraction or went to text.
@@ -82,6 +90,7 @@ struct RunReport {
   int prefill_reused = 0;
   int contexts_alive_at_end = 0;       // sealed contexts left in the pool (0 when lifetimes are right)
   std::size_t pool_blocks_used_at_end = 0;
+  std::uint64_t forward_passes = 0;    // scheduler passes (concurrent steps share them)
   TierStats tiers;                     // what the budget moved (RunOptions::tiers)
   int splices = 0, guard_raised = 0, guard_text = 0;  // splice counters over the run
   std::string json() const;

@@ -19,6 +19,10 @@ struct GenerateOptions {
   bool stop_at_end_of_generation = true;  // EOS / end-of-turn tokens
   // Sees the logits each generated token was sampled from (quality measurements).
   std::function<void(std::span<const float>)> on_logits;
+  // Teacher forcing: when not empty, these are the generated tokens instead
+  // of samples (no end-of-generation or stop-string ends; max_new_tokens is
+  // their count), so that runs compare along one token stream.
+  std::vector<TokenId> forced;
 };
 
 // cancelled and error only end Scheduler requests (generate() throws instead).

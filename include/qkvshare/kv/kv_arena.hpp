@@ -20,7 +20,8 @@ class Arena {
   virtual std::size_t size() const noexcept = 0;
 };
 
-// Zeroed, 4096-byte aligned process memory.
+// Zeroed, 4096-byte aligned process memory (an anonymous mapping: pages are
+// committed when first touched).
 class HeapArena final : public Arena {
  public:
   explicit HeapArena(std::size_t bytes);
@@ -29,6 +30,7 @@ class HeapArena final : public Arena {
 
  private:
   struct Free {
+    std::size_t bytes;  // of the mapping
     void operator()(std::byte* p) const noexcept;
   };
   std::unique_ptr<std::byte, Free> data_;
