@@ -24,7 +24,7 @@ std::string ModeSpec::label() const {
 std::vector<ModeSpec> default_comparison() {
   return {{RunMode::shared_text, "f32"}, {RunMode::independent, "f16"}, {RunMode::shared_text, "f16"},
           {RunMode::qkvshare, "f16"},    {RunMode::qkvshare, "int8"},   {RunMode::qkvshare, "int4"},
-          {RunMode::qkvshare, "int2"}};
+          {RunMode::qkvshare, "int2"},   {RunMode::solo, "f16"}};
 }
 
 std::vector<ModeSpec> parse_mode_specs(const std::string& text) {
@@ -40,8 +40,8 @@ std::vector<ModeSpec> parse_mode_specs(const std::string& text) {
     s.mode = parse_run_mode(item.substr(0, colon));
     if (colon != std::string::npos) s.kv = item.substr(colon + 1);
     else if (s.mode == RunMode::qkvshare) s.kv = "int8";
-    if (s.mode == RunMode::independent && s.kv != "f16")
-      fail(ErrorCode::invalid_argument, "--modes: '{}': independent agents keep f16 KV", item);
+    if ((s.mode == RunMode::independent || s.mode == RunMode::solo) && s.kv != "f16")
+      fail(ErrorCode::invalid_argument, "--modes: '{}': {} keeps f16 KV", item, to_string(s.mode));
     KvFormat::parse(s.kv);
     specs.push_back(s);
   }
@@ -109,6 +109,8 @@ std::vector<ComparedRun> compare_modes(const Workflow& wf, const std::string& mo
                                        const std::string& tokenizer_path, const RunOptions& base,
                                        const std::vector<ModeSpec>& modes) {
   if (modes.empty()) fail(ErrorCode::invalid_argument, "compare: no modes");
+  if (modes.front().mode == RunMode::solo)
+    fail(ErrorCode::invalid_argument, "--modes: solo cannot be the reference (it is not the workflow); put it later");
   // The first mode records the token stream every other mode is forced along.
   char trace_path[] = "/tmp/qkvshare-reference-XXXXXX";
   const int fd = ::mkstemp(trace_path);
@@ -126,6 +128,9 @@ std::vector<ComparedRun> compare_modes(const Workflow& wf, const std::string& mo
     runs.push_back(run_in_child(wf, model_path, tokenizer_path, o, modes[i]));
   }
   const RunReport& ref = runs.front().report;
+  const ComparedRun* solo = nullptr;
+  for (const auto& r : runs)
+    if (r.spec.mode == RunMode::solo) solo = &r;
   for (auto& r : runs) {
     std::size_t same = 0, total = 0;
     double ttft = 0, kl = 0, nll = 0, top1 = 0;
@@ -151,24 +156,38 @@ std::vector<ComparedRun> compare_modes(const Workflow& wf, const std::string& mo
     r.kl = scored == 0 ? 0.0 : kl / scored;
     r.top1 = scored == 0 ? 1.0 : top1 / scored;
     r.ppl = scored == 0 ? 0.0 : std::exp(nll / scored);
+    if (solo != nullptr && solo->report.total_seconds > 0 && solo->peak_rss_bytes > 0) {
+      r.team_time = r.report.total_seconds / solo->report.total_seconds;
+      r.team_rss = static_cast<double>(r.peak_rss_bytes) / static_cast<double>(solo->peak_rss_bytes);
+      r.team_kv = solo->report.peak_kv_bytes == 0 ? 0.0
+                                                   : static_cast<double>(r.report.peak_kv_bytes) /
+                                                         static_cast<double>(solo->report.peak_kv_bytes);
+    }
   }
   return runs;
 }
 
 std::string format_comparison(const std::vector<ComparedRun>& runs) {
-  std::string out = fmt::format("{:<18} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8}\n", "mode", "e2e s",
-                                "consumer", "prefill", "reused", "peak KV", "peak RSS", "KL", "top-1", "PPL");
-  out += fmt::format("{:<18} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8}\n", "", "", "TTFT s", "tokens",
-                     "tokens", "MiB", "MiB", "vs ref", "vs ref", "forced");
+  std::string out = fmt::format("{:<18} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8} {:>11}\n", "mode",
+                                "e2e s", "consumer", "prefill", "reused", "peak KV", "peak RSS", "KL", "top-1", "PPL",
+                                "team");
+  out += fmt::format("{:<18} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8} {:>11}\n", "", "", "TTFT s", "tokens",
+                     "tokens", "MiB", "MiB", "vs ref", "vs ref", "forced", "time / RSS");
   for (const auto& r : runs) {
-    out += fmt::format("{:<18} {:>8.2f} {:>9.4f} {:>8} {:>8} {:>8.2f} {:>9.1f} {:>9.5f} {:>6.1f}% {:>8.3f}\n",
+    const bool solo = r.spec.mode == RunMode::solo;  // its own context: its distributions are not comparable
+    const std::string team = r.team_time > 0 ? fmt::format("{:.2f} / {:.2f}", r.team_time, r.team_rss) : "-";
+    out += fmt::format("{:<18} {:>8.2f} {:>9.4f} {:>8} {:>8} {:>8.2f} {:>9.1f} {:>9} {:>7} {:>8} {:>11}\n",
                        r.spec.label(), r.report.total_seconds, r.consumer_ttft, r.report.prefill_computed,
                        r.report.prefill_reused, static_cast<double>(r.report.peak_kv_bytes) / (1 << 20),
-                       static_cast<double>(r.peak_rss_bytes) / (1 << 20), r.kl, 100.0 * r.top1, r.ppl);
+                       static_cast<double>(r.peak_rss_bytes) / (1 << 20),
+                       solo ? "-" : fmt::format("{:.5f}", r.kl), solo ? "-" : fmt::format("{:.1f}%", 100.0 * r.top1),
+                       solo ? "-" : fmt::format("{:.3f}", r.ppl), team);
   }
   if (!runs.empty())
     out += fmt::format("Every mode generates the tokens of {} (teacher forcing); KL, top-1 and PPL are measured along them "
-                       "over the consumer steps.\n", runs.front().spec.label());
+                       "over the consumer steps.\n"
+                       "team: e2e time and peak RSS over those of solo, one agent writing the same answers in one f16 "
+                       "session (below 1 is better).\n", runs.front().spec.label());
   return out;
 }
 
@@ -183,6 +202,9 @@ std::string comparison_json(const std::vector<ComparedRun>& runs) {
     e["kl"] = r.kl;
     e["top1"] = r.top1;
     e["ppl"] = r.ppl;
+    e["team_time"] = r.team_time;
+    e["team_rss"] = r.team_rss;
+    e["team_kv"] = r.team_kv;
     j.push_back(std::move(e));
   }
   return j.dump(2);

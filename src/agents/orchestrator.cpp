@@ -23,6 +23,7 @@ std::string_view to_string(RunMode mode) noexcept {
     case RunMode::independent: return "independent";
     case RunMode::shared_text: return "shared-text";
     case RunMode::qkvshare: return "qkvshare";
+    case RunMode::solo: return "solo";
   }
   return "?";
 }
@@ -31,7 +32,8 @@ RunMode parse_run_mode(std::string_view text) {
   if (text == "independent") return RunMode::independent;
   if (text == "shared-text") return RunMode::shared_text;
   if (text == "qkvshare") return RunMode::qkvshare;
-  fail(ErrorCode::invalid_argument, "--mode: '{}' is not a mode (independent, shared-text, qkvshare)", text);
+  if (text == "solo") return RunMode::solo;
+  fail(ErrorCode::invalid_argument, "--mode: '{}' is not a mode (independent, shared-text, qkvshare, solo)", text);
 }
 
 double token_agreement(const std::vector<TokenId>& want, const std::vector<TokenId>& got) {
@@ -550,6 +552,7 @@ class Run {
 
 RunReport run_workflow(const Workflow& workflow, const std::string& model_path, const std::string& tokenizer_path,
                        const RunOptions& options) {
+  if (options.mode == RunMode::solo) return run_solo(workflow, model_path, tokenizer_path, options);
   Run run(workflow, model_path, tokenizer_path, options);
   return run.run();
 }

@@ -1,6 +1,9 @@
 // The orchestrator on stories260K: exact continue semantics, context
 // lifetimes (pool counters) and the modes agreeing with each other.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
 
 #include "qkvshare/agents/compare.hpp"
 #include "qkvshare/agents/demo_workflow.hpp"
@@ -122,9 +125,15 @@ TEST(Orchestrator, DemoComparisonRunsEndToEnd) {
     for (std::size_t i = 0; i < 3; ++i)
       EXPECT_EQ(r.report.steps[i].output_tokens, runs[0].report.steps[i].output_tokens) << r.spec.label();
     EXPECT_DOUBLE_EQ(r.agreement, 1.0);
+    // Every run has the team overhead against solo; solo's own distributions are not scored.
+    EXPECT_GT(r.team_time, 0.0) << r.spec.label();
+    EXPECT_GT(r.team_rss, 0.0) << r.spec.label();
+    if (r.spec.mode == RunMode::solo) continue;
     EXPECT_GT(r.ppl, 1.0) << r.spec.label();
     EXPECT_GE(r.kl, 0.0);
   }
+  EXPECT_EQ(runs.back().spec.label(), "solo");
+  EXPECT_DOUBLE_EQ(runs.back().team_time, 1.0);
   EXPECT_EQ(runs[0].spec.label(), "shared-text:f32");
   EXPECT_NEAR(runs[0].kl, 0.0, 1e-6);  // its own rows, rounded to float once
   EXPECT_DOUBLE_EQ(runs[0].top1, 1.0);
@@ -185,6 +194,34 @@ steps:
       }
     }
   }
+}
+
+// The team overhead's denominator: one session writes every answer (the
+// reference run's tokens), the material read once: nothing recomputed, nothing
+// reused, the second turn feeding only its own prompt.
+TEST(Orchestrator, SoloWritesTheReferenceAnswersInOneSession) {
+  const Workflow wf = Workflow::parse(kChain, "chain.yaml");
+  char trace[] = "/tmp/qkvshare-solo-trace-XXXXXX";
+  const int fd = ::mkstemp(trace);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  RunOptions o = options(RunMode::shared_text, "f16");
+  o.record_reference = trace;
+  const RunReport ref = run_workflow(wf, kModel, kTok, o);
+  o = options(RunMode::solo, "f16");
+  o.force_reference = trace;
+  const RunReport r = run_workflow(wf, kModel, kTok, o);
+  ::unlink(trace);
+  ASSERT_EQ(r.steps.size(), 2u);
+  EXPECT_EQ(r.mode, RunMode::solo);
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(r.steps[i].output_tokens, ref.steps[i].output_tokens);
+  EXPECT_EQ(r.prefill_reused, 0);
+  // The text re-read feeds step one's prompt and answer again; solo only the new turn (and the answer's last token).
+  EXPECT_EQ(r.steps[0].prefill_computed, ref.steps[0].prefill_computed);
+  EXPECT_GT(r.steps[1].prefill_computed, 1);
+  EXPECT_LT(r.steps[1].prefill_computed, ref.steps[1].prefill_computed - ref.steps[0].prefill_computed);
+  EXPECT_GT(r.peak_kv_bytes, 0u);
+  EXPECT_EQ(parse_run_mode("solo"), RunMode::solo);
 }
 
 TEST(Orchestrator, TokenAgreement) {

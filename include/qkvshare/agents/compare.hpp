@@ -20,7 +20,8 @@ struct ModeSpec {
 };
 
 // The default comparison: shared-text with f32 KV (the reference),
-// independent, shared-text (f16), qkvshare with f16, int8, int4 and int2 KV.
+// independent, shared-text (f16), qkvshare with f16, int8, int4 and int2 KV,
+// then solo (one agent writing the same answers: the team overhead's denominator).
 std::vector<ModeSpec> default_comparison();
 // "shared-text:f32,independent,qkvshare:int8" -> specs; Error(invalid_argument) naming a bad item.
 std::vector<ModeSpec> parse_mode_specs(const std::string& text);
@@ -33,6 +34,8 @@ struct ComparedRun {
   double consumer_ttft = 0;     // mean time to first token of steps that have upstream inputs
   // Over the consumer steps' forced tokens (the reference scores itself: KL 0, top-1 1).
   double kl = 0, top1 = 0, ppl = 0;
+  // Team overhead: this run's e2e time, peak RSS and peak KV over the solo run's (0 without one).
+  double team_time = 0, team_rss = 0, team_kv = 0;
 };
 
 std::vector<ComparedRun> compare_modes(const Workflow& wf, const std::string& model_path,

@@ -22,7 +22,10 @@
 
 namespace qkvshare::agents {
 
-enum class RunMode { independent, shared_text, qkvshare };
+//  - solo: not a team at all, the denominator of the team overhead: one agent
+//    in one session (f16 KV) reads the material once and writes every step's
+//    answer itself, sequentially (solo_run.cpp).
+enum class RunMode { independent, shared_text, qkvshare, solo };
 std::string_view to_string(RunMode mode) noexcept;
 RunMode parse_run_mode(std::string_view text);  // Error(invalid_argument) naming it
 
@@ -100,6 +103,10 @@ struct RunReport {
 // Loads the model (once, or once per agent in independent mode) and runs.
 RunReport run_workflow(const Workflow& workflow, const std::string& model_path, const std::string& tokenizer_path,
                        const RunOptions& options);
+
+// RunMode::solo (solo_run.cpp); run_workflow calls it for that mode.
+RunReport run_solo(const Workflow& workflow, const std::string& model_path, const std::string& tokenizer_path,
+                   const RunOptions& options);
 
 // Fraction of positions where `got` has the same token as `want`, over the
 // longer of the two (a missing token counts as a mismatch).
