@@ -55,6 +55,27 @@ STREAM_CHILD = textwrap.dedent("""
                           "loop_seconds": t_end - t_first, "pieces": pieces}))
 """)
 
+# One process, generate and stream alternating `n` times each on fresh sessions:
+# the stream loop's own cost with the process and its memory layout held equal.
+INPROC_CHILD = textwrap.dedent("""
+    import json, sys
+    import qkvshare as q
+    model_path, threads, n, prompt, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+    m = q.Model.load(model_path)
+    e = q.Engine(m, threads=threads)
+    opts = dict(max_tokens=n, temperature=0, ignore_eos=True)
+    out = {"generate": [], "stream": []}
+    for _ in range(reps):
+        r = e.session(kv="f16", capacity=1024).generate(prompt, **opts)
+        out["generate"].append(r.decode_seconds / r.decode_tokens)
+        it = e.session(kv="f16", capacity=1024).stream(prompt, **opts)
+        for piece in it:
+            pass
+        r = it.result
+        out["stream"].append(r.decode_seconds / r.decode_tokens)
+    print(json.dumps(out))
+""")
+
 QKV_HANDOFF = textwrap.dedent("""
     import json, resource, sys, time
     import qkvshare as q
@@ -113,17 +134,39 @@ def run_json(cmd: list[str], timeout: int = 600) -> dict:
 def stream_overhead(a) -> dict:
     per = {"cli": [], "python generate": [], "python stream": [], "python stream (loop clock)": []}
     for rep in range(a.reps):
-        cli = run_json([a.cli, "generate", "-m", a.model, "-p", PROMPT, "-n", str(a.tokens), "--temp", "0",
-                        "--ignore-eos", "--threads", str(a.threads), "--ctx", "1024", "--json"])
-        per["cli"].append(cli["decode_seconds"] / (len(cli["generated_ids"]) - 1))
-        g = run_json([sys.executable, "-c", STREAM_CHILD, a.model, str(a.threads), str(a.tokens), PROMPT, "generate"])
-        per["python generate"].append(g["decode_seconds"] / g["decode_tokens"])
-        s = run_json([sys.executable, "-c", STREAM_CHILD, a.model, str(a.threads), str(a.tokens), PROMPT, "stream"])
-        per["python stream"].append(s["decode_seconds"] / s["decode_tokens"])
-        per["python stream (loop clock)"].append(s["loop_seconds"] / (s["pieces"] - 1))
+        def cli():
+            r = run_json([a.cli, "generate", "-m", a.model, "-p", PROMPT, "-n", str(a.tokens), "--temp", "0",
+                          "--ignore-eos", "--threads", str(a.threads), "--ctx", "1024", "--json"])
+            per["cli"].append(r["decode_seconds"] / (len(r["generated_ids"]) - 1))
+
+        def generate():
+            g = run_json([sys.executable, "-c", STREAM_CHILD, a.model, str(a.threads), str(a.tokens), PROMPT,
+                          "generate"])
+            per["python generate"].append(g["decode_seconds"] / g["decode_tokens"])
+
+        def stream():
+            s = run_json([sys.executable, "-c", STREAM_CHILD, a.model, str(a.threads), str(a.tokens), PROMPT,
+                          "stream"])
+            per["python stream"].append(s["decode_seconds"] / s["decode_tokens"])
+            per["python stream (loop clock)"].append(s["loop_seconds"] / (s["pieces"] - 1))
+        # The order alternates between repetitions, so a drift favours no side.
+        for f in ((cli, generate, stream) if rep % 2 == 0 else (stream, generate, cli)):
+            f()
         print(f"[stream] rep {rep + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.3f} ms" for k, v in per.items()),
               file=sys.stderr)
-    return {k: statistics.median(v) for k, v in per.items()} | {"samples": per}
+    res = {k: statistics.median(v) for k, v in per.items()} | {"samples": per}
+    # Paired: each repetition's ratio to the CLI run next to it, then the median.
+    res["paired_vs_cli"] = {k: statistics.median(x / c for x, c in zip(v, per["cli"]))
+                            for k, v in per.items() if k != "cli"}
+    inproc = run_json([sys.executable, "-c", INPROC_CHILD, a.model, str(a.threads), str(a.tokens), PROMPT,
+                       str(a.reps)])
+    res["in_process"] = inproc | {
+        "median_generate": statistics.median(inproc["generate"]),
+        "median_stream": statistics.median(inproc["stream"]),
+        "paired_stream_vs_generate": statistics.median(s / g for s, g in zip(inproc["stream"], inproc["generate"]))}
+    print("[stream] in one process: generate " + " ".join(f"{x * 1e3:.2f}" for x in inproc["generate"]) +
+          " ms, stream " + " ".join(f"{x * 1e3:.2f}" for x in inproc["stream"]) + " ms", file=sys.stderr)
+    return res
 
 
 def handoff(a, ids_path: Path) -> dict:
@@ -173,7 +216,11 @@ def main() -> int:
     print(f"\nload average before {load[0]:.2f}, after {res['load_after'][0]:.2f} (machine shared with other builds)")
     print(f"decode ms/token, median of {a.reps} (SmolLM2 Q4_1, {a.threads} threads, {a.tokens} greedy tokens, f16 KV):")
     for k in ("cli", "python generate", "python stream", "python stream (loop clock)"):
-        print(f"  {k:28s} {s[k] * 1e3:7.3f}  ({(s[k] / s['cli'] - 1) * 100:+.1f}% vs CLI)")
+        paired = "" if k == "cli" else f", paired per repetition {(s['paired_vs_cli'][k] - 1) * 100:+.1f}%"
+        print(f"  {k:28s} {s[k] * 1e3:7.3f}  ({(s[k] / s['cli'] - 1) * 100:+.1f}% vs CLI{paired})")
+    ip = s["in_process"]
+    print(f"  in one process, alternating: generate {ip['median_generate'] * 1e3:.3f}, stream "
+          f"{ip['median_stream'] * 1e3:.3f} ms/token (paired {(ip['paired_stream_vs_generate'] - 1) * 100:+.1f}%)")
     print(f"\nhandoff of a {len(ids)}-token context, median of {a.reps}:")
     print(f"  {'side':36s} {'handoff ms':>10s} {'+1st pass ms':>12s} {'bytes handed':>13s} {'peak RSS MiB':>12s}")
     for k, v in res["handoff"].items():

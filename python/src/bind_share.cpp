@@ -8,6 +8,7 @@
 
 #include "py_common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/engine/splice.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
 namespace qkvshare::py {
@@ -300,6 +301,72 @@ void bind_share(nb::module_& m) {
           nb::is_method(), nb::scope(session_type), nb::name("seal"), nb::arg("producer"),
           "Seals the session's context (its last generated token fed first) and returns the producer's claim. "
           "The session may go on appending: it copies the partly filled tail block first."));
+
+  nb::setattr(
+      session_type, "splice",
+      nb::cpp_function(
+          [](std::shared_ptr<SessionBox> s, std::shared_ptr<PoolBox> p, const Descriptor& d, const std::string& agent,
+             int begin, std::optional<int> end, double recompute, bool guard, std::optional<double> threshold,
+             bool release_grant) {
+            Session& session = s->get();
+            if (!p) fail(ErrorCode::invalid_argument, "splice: pool is None");
+            SharePool& pool = p->get();
+            if (!s->pool || s->pool != p->pool)
+              fail(ErrorCode::invalid_argument,
+                   "splice: the session's KV must live in this pool; create it with engine.session(kv=..., pool=pool)");
+            if (d.fingerprint.model != s->engine->model->fingerprint.model)
+              fail(ErrorCode::bad_descriptor, "splice: the descriptor's context was made by another model");
+            if (!(recompute >= 0.0 && recompute <= 1.0))
+              fail(ErrorCode::invalid_argument, "splice: recompute {} is outside [0, 1]", recompute);
+            SpliceOptions o;
+            o.recompute = recompute;
+            o.guard = guard;
+            if (threshold) o.threshold = *threshold;
+            SpliceResult r;
+            {
+              nb::gil_scoped_release release;
+              std::lock_guard lock(s->engine->mu);
+              OpenedContext oc = pool.open(d, agent, true, session.cache().capacity());
+              if (release_grant) pool.release(d, agent);  // the session takes its own block references
+              if (!oc.cache)
+                fail(ErrorCode::bad_descriptor, "splice: the context's KV cannot be used here: {}{}",
+                     to_string(oc.refused), oc.refused_detail.empty() ? "" : " (" + oc.refused_detail + ")");
+              const int n = static_cast<int>(oc.tokens.size());
+              const int stop = end.value_or(n);
+              if (begin < 0 || stop > n || begin >= stop)
+                fail(ErrorCode::invalid_argument, "splice: range [{}, {}) is not inside the context's {} tokens", begin,
+                     stop, n);
+              Engine& engine = *s->engine->engine;
+              if (s->pending) {  // the last generated token goes in first, in its place
+                const TokenId t = *s->pending;
+                engine.forward(session, std::span<const TokenId>(&t, 1));
+                s->pending.reset();
+              }
+              r = splice_tokens(engine, session, *oc.cache, oc.tokens, begin, stop, o);
+              s->logits.reset();  // no pass ended on the spliced tokens' last position
+            }
+            nb::dict out;
+            out["tokens"] = r.tokens;
+            out["recomputed"] = r.recomputed;
+            out["reused"] = r.reused;
+            out["probe_tokens"] = r.probe_tokens;
+            out["fraction"] = r.fraction;
+            out["estimate"] = r.estimate;
+            out["escalated"] = r.escalated;
+            out["text"] = r.text;
+            out["seconds"] = r.seconds;
+            return out;
+          },
+          nb::is_method(), nb::scope(session_type), nb::name("splice"), nb::arg("pool"), nb::arg("descriptor"),
+          nb::arg("agent"), nb::arg("begin") = 0, nb::arg("end") = nb::none(), nb::arg("recompute") = 0.15,
+          nb::arg("guard") = true, nb::arg("threshold") = nb::none(), nb::arg("release") = true,
+          "Splices tokens [begin, end) of a context granted to `agent` onto the end of this session (DESIGN.md "
+          "handoff mode splice): the session keeps its own prefix (its role), the spliced tokens' KV is reused at a "
+          "position offset after the first `recompute` fraction of them is run again under this prefix; the guard "
+          "recomputes more (up to all of it, a text re-read) when its estimate of the deviation is above "
+          "`threshold` (None: calibrated for the session's KV format). Returns what it did: tokens, recomputed, "
+          "reused, probe_tokens, fraction, estimate, escalated, text, seconds. Raises BadDescriptor for a stale, "
+          "forged or foreign descriptor and InvalidArgument for a bad range or a session outside `pool`."));
 }
 
 }  // namespace qkvshare::py

@@ -234,3 +234,50 @@ def test_fanout_example(repo_root, stories_paths):
                        capture_output=True, timeout=180, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("KV reused: True") == 3 and "0 contexts left" in r.stdout
+
+
+def test_splice_keeps_own_prefix_and_reuses_the_kv(engine, pool):
+    # The reviewer keeps its own role (prefix) and splices the writer's context after it.
+    writer, ctx = produce(engine, pool, kv="f32")
+    d = ctx.grant("reviewer")
+    reviewer = engine.session(kv="f32", pool=pool)
+    reviewer.prefill("A reviewer reads:")
+    own = reviewer.n_past
+    r = reviewer.splice(pool, d, agent="reviewer", recompute=0.25, guard=False)
+    assert r["tokens"] == ctx.tokens and r["recomputed"] + r["reused"] == ctx.tokens
+    assert r["reused"] > 0 and not r["text"]
+    assert reviewer.n_past == own + ctx.tokens
+    assert reviewer.tokens[own:] == writer.tokens
+    # With everything recomputed the splice is the text re-read: the same tokens as a plain prefill.
+    d2 = ctx.grant("reviewer2")
+    full = engine.session(kv="f32", pool=pool)
+    full.prefill("A reviewer reads:")
+    r2 = full.splice(pool, d2, agent="reviewer2", recompute=1.0, guard=False)
+    assert r2["reused"] == 0
+    ref = engine.session(kv="f32")
+    ref.prefill("A reviewer reads:")
+    ref.prefill(writer.tokens)
+    assert full.generate(" The", max_tokens=8, temperature=0).tokens == \
+        ref.generate(" The", max_tokens=8, temperature=0).tokens
+    # The grant went with the splice (release=True): the descriptor is stale now.
+    with pytest.raises(q.BadDescriptor):
+        reviewer.splice(pool, d, agent="reviewer")
+
+
+def test_splice_bad_arguments(engine, pool):
+    writer, ctx = produce(engine, pool)
+    d = ctx.grant("x")
+    private = engine.session(kv="int8")
+    with pytest.raises(q.InvalidArgument, match="pool"):
+        private.splice(pool, d, agent="x")
+    s = engine.session(kv="int8", pool=pool)
+    with pytest.raises(q.InvalidArgument, match="recompute"):
+        s.splice(pool, d, agent="x", recompute=1.5)
+    with pytest.raises(q.InvalidArgument, match="range"):
+        s.splice(pool, d, agent="x", begin=5, end=3, release=False)
+    with pytest.raises(TypeError):
+        s.splice(pool, "not a descriptor", agent="x")
+    with pytest.raises(q.BadDescriptor):
+        s.splice(pool, d, agent="somebody else")
+    r = s.splice(pool, d, agent="x", begin=2, end=6)
+    assert r["tokens"] == 4 and s.tokens == writer.tokens[2:6]
