@@ -145,6 +145,18 @@ void gemv_tiled(const GemmArgs& a) {
   for (; r < a.n_rows; ++r) tile<F, 1, 1>(a, RowSource<F, 1>(a, r), r, 0);
 }
 
+// A few tokens (several sessions decoding together): rows streamed as in
+// decode, each decoded weight step used by all T tokens in registers.
+template <class F, int R, int T>
+void gemv_tokens(const GemmArgs& a) {
+  std::int64_t r = 0;
+  for (; r + R <= a.n_rows; r += R) {
+    prefetch_rows(a, r + kAheadRows, R);
+    tile<F, R, T>(a, RowSource<F, R>(a, r), r, 0);
+  }
+  for (; r < a.n_rows; ++r) tile<F, 1, T>(a, RowSource<F, 1>(a, r), r, 0);
+}
+
 template <class F, int R, int T>
 void token_tiles(const GemmArgs& a, const typename F::W* buf, std::int64_t r0, std::int64_t t_begin,
                  std::int64_t t_end) {
@@ -158,7 +170,13 @@ void token_tiles(const GemmArgs& a, const typename F::W* buf, std::int64_t r0, s
 // R rows at a time are decoded once and swept over all its tokens, T at a time.
 template <class F, int R, int T>
 void gemm_tiled(const GemmArgs& a) {
-  if (a.n_tokens == 1) return gemv_tiled<F, R>(a);
+  switch (a.n_tokens) {
+    case 1: return gemv_tiled<F, R>(a);
+    case 2: return gemv_tokens<F, R, 2>(a);
+    case 3: return gemv_tokens<F, R, 3>(a);
+    case 4: return gemv_tokens<F, R, 4>(a);
+    default: break;
+  }
   constexpr std::int64_t kTokenChunk = 64;
   const std::int64_t steps = F::steps(a.cols) + (F::tail(a.cols) ? 1 : 0);
   typename F::W* buf = step_buffer<typename F::W>(static_cast<std::size_t>(steps * R));

@@ -8,7 +8,8 @@
 // where a row-major layout needs them per 4 codes of one row, and the 16
 // results are stored without horizontal sums. The transposition is a few
 // shuffles per block; prefill decodes a tile once into a buffer and reuses it
-// for every token of a chunk, decode streams it. Both run the same arithmetic
+// for every token of a chunk, decode streams it (up to 8 tokens at once: a
+// batch of sessions decoding together uses each decoded block for all). Both run the same arithmetic
 // per output, in the same order: a token's result does not depend on its batch.
 #include <cstddef>
 #include <cstring>
@@ -182,6 +183,28 @@ void gemv_rows(const GemmArgs& a, const RowTile& rt, std::int64_t r0, std::size_
   store<1>(a, rt, r0, 0, acc);
 }
 
+// A few tokens (batched decode of several sessions): each block is decoded
+// into registers once and used by every token, streamed like gemv_rows.
+template <class F, int T>
+void gemv_rows_tokens(const GemmArgs& a, const RowTile& rt, std::int64_t r0, std::size_t block_bytes) {
+  const std::int64_t nb = a.cols / 32;
+  __m512 acc[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (std::int64_t b = 0; b < nb; ++b) {
+    prefetch_next(a, rt, b, block_bytes);
+    Tile w;
+    F::decode(rt, b, w);
+    mac<F::kMin, T>(acc, w, a.act, 0, b);
+  }
+  store<T>(a, rt, r0, 0, acc);
+}
+
+template <class F, int T>
+void gemv_tokens(const GemmArgs& a, std::size_t block_bytes) {
+  for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) gemv_rows_tokens<F, T>(a, row_tile(a, r0), r0, block_bytes);
+}
+
 template <class F, int T>
 void tokens_from_buffer(const GemmArgs& a, const RowTile& rt, std::int64_t r0, const Tile* buf, std::int64_t t0) {
   __m512 acc[T];
@@ -212,9 +235,18 @@ Tile* tile_buffer(std::size_t n) {
 template <class F, std::size_t kBlockBytes>
 void gemm_rows(const GemmArgs& a) {
   const std::int64_t nb = a.cols / 32;
-  if (a.n_tokens == 1) {
-    for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) gemv_rows<F>(a, row_tile(a, r0), r0, kBlockBytes);
-    return;
+  switch (a.n_tokens) {
+    case 1:
+      for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) gemv_rows<F>(a, row_tile(a, r0), r0, kBlockBytes);
+      return;
+    case 2: return gemv_tokens<F, 2>(a, kBlockBytes);
+    case 3: return gemv_tokens<F, 3>(a, kBlockBytes);
+    case 4: return gemv_tokens<F, 4>(a, kBlockBytes);
+    case 5: return gemv_tokens<F, 5>(a, kBlockBytes);
+    case 6: return gemv_tokens<F, 6>(a, kBlockBytes);
+    case 7: return gemv_tokens<F, 7>(a, kBlockBytes);
+    case 8: return gemv_tokens<F, 8>(a, kBlockBytes);
+    default: break;
   }
   constexpr int kT = 8;
   constexpr std::int64_t kTokenChunk = 64;
@@ -226,6 +258,7 @@ void gemm_rows(const GemmArgs& a) {
       for (std::int64_t b = 0; b < nb; ++b) F::decode(rt, b, buf[b]);
       std::int64_t t = tc;
       for (; t + kT <= tc_end; t += kT) tokens_from_buffer<F, kT>(a, rt, r0, buf, t);
+      for (; t + 4 <= tc_end; t += 4) tokens_from_buffer<F, 4>(a, rt, r0, buf, t);
       for (; t < tc_end; ++t) tokens_from_buffer<F, 1>(a, rt, r0, buf, t);
     }
   }

@@ -54,7 +54,7 @@ TEST(MatmulIsa, RandomDataEveryTypeShapeAndLevel) {
   for (GgmlType type : kAllTypes)
     for (std::int64_t cols : cols_for(type))
       for (std::int64_t rows : {1, 5, 17})
-        for (std::int64_t tokens : {1, 3, 7, 33}) {
+        for (std::int64_t tokens : {1, 2, 3, 4, 7, 8, 12, 33}) {
           const Weights w = make_weights(type, rows, cols, normal(static_cast<std::size_t>(rows * cols), 1.0f, rng));
           const auto x = normal(static_cast<std::size_t>(tokens * cols), 1.0f, rng);
           check_all_isas(w, x, tokens, shape_name(type, rows, cols, tokens));
@@ -186,16 +186,19 @@ TEST(MatmulIsa, BatchedTokensGiveTheBitsOfSingleTokens) {
   ThreadPool pool(2);
   for (GgmlType type : kAllTypes) {
     const std::int64_t cols = quantizes_activations(type) ? cols_of(type, 3) == 96 ? 96 : 512 : 103;
-    const std::int64_t rows = 13, tokens = 70;
+    const std::int64_t rows = 13;
     const Weights w = make_weights(type, rows, cols, normal(static_cast<std::size_t>(rows * cols), 1.0f, rng));
-    const auto x = normal(static_cast<std::size_t>(tokens * cols), 1.0f, rng);
-    for (Isa isa : available_isas()) {
-      const IsaGuard guard(isa);
-      std::vector<float> batched(static_cast<std::size_t>(rows * tokens)), single(batched.size());
-      matmul(pool, w.view, x.data(), tokens, batched.data());
-      for (std::int64_t t = 0; t < tokens; ++t) matmul(pool, w.view, x.data() + t * cols, 1, single.data() + t * rows);
-      EXPECT_EQ(batched, single) << type_name(type) << " " << isa_name(isa);
-    }
+    const auto x = normal(static_cast<std::size_t>(70 * cols), 1.0f, rng);
+    // 2-9: the few-token streaming paths (sessions decoding together); 12, 17: buffered tiles and remainders.
+    for (std::int64_t tokens : {2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 70})
+      for (Isa isa : available_isas()) {
+        const IsaGuard guard(isa);
+        std::vector<float> batched(static_cast<std::size_t>(rows * tokens)), single(batched.size());
+        matmul(pool, w.view, x.data(), tokens, batched.data());
+        for (std::int64_t t = 0; t < tokens; ++t)
+          matmul(pool, w.view, x.data() + t * cols, 1, single.data() + t * rows);
+        EXPECT_EQ(batched, single) << type_name(type) << " " << isa_name(isa) << " tokens " << tokens;
+      }
   }
 }
 
