@@ -412,9 +412,9 @@ class Run {
     if (r.forced != nullptr) {
       go.forced = r.forced->tokens;
       if (go.forced.empty()) go.max_new_tokens = 0;
-      go.on_logits = [&r](std::span<const float> logits) {
+      go.on_logits = [this, &r](std::span<const float> logits) {
         const TraceStep& ref = *r.forced;
-        r.quality.add(&ref.logprobs[r.scored * logits.size()], logits, ref.tokens[r.scored]);
+        r.quality.add(trace_.row(ref, r.scored, row_buffer_), logits, ref.tokens[r.scored]);
         ++r.scored;
       };
     } else if (r.recording) {
@@ -545,6 +545,7 @@ class Run {
   std::map<std::string, StepResult> results_;
   std::map<std::string, std::string> outputs_;
   ReferenceTrace trace_;  // recorded (record_reference) or forced (force_reference)
+  std::vector<float> row_buffer_;  // one reference row read back from the trace file
   bool forcing_ = false;
 };
 

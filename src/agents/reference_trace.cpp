@@ -6,6 +6,9 @@
 #include <cstring>
 #include <memory>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include "qkvshare/core/error.hpp"
 
 namespace qkvshare::agents {
@@ -90,11 +93,43 @@ ReferenceTrace ReferenceTrace::load(const std::string& path) {
     TraceStep s;
     s.tokens.resize(sizes[1]);
     get(s.tokens.data(), s.tokens.size() * sizeof(TokenId));
-    s.logprobs.resize(static_cast<std::size_t>(sizes[1]) * static_cast<std::size_t>(t.vocab));
-    get(s.logprobs.data(), s.logprobs.size() * sizeof(float));
+    const long at = std::ftell(f.f);
+    const std::uint64_t bytes = static_cast<std::uint64_t>(sizes[1]) * static_cast<std::uint64_t>(t.vocab) * sizeof(float);
+    if (at < 0 || std::fseek(f.f, static_cast<long>(bytes), SEEK_CUR) != 0)
+      fail(ErrorCode::io, "{}: reference trace is truncated", path);
+    s.logprobs_offset = static_cast<std::uint64_t>(at);
     t.steps.emplace(std::move(id), std::move(s));
   }
+  // fseek past the end succeeds: the last step's rows must really be there.
+  const long end = std::ftell(f.f);
+  if (std::fseek(f.f, 0, SEEK_END) != 0 || std::ftell(f.f) < end)
+    fail(ErrorCode::io, "{}: reference trace is truncated", path);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(ErrorCode::io, "{}: cannot open the reference trace", path);
+  t.fd_ = std::shared_ptr<int>(new int(fd), [](int* p) {
+    ::close(*p);
+    delete p;
+  });
+  t.path_ = path;
   return t;
+}
+
+const float* ReferenceTrace::row(const TraceStep& s, std::size_t i, std::vector<float>& buffer) const {
+  const std::size_t n = static_cast<std::size_t>(vocab);
+  QKV_CHECK(i < s.tokens.size());
+  if (!s.logprobs.empty()) return s.logprobs.data() + i * n;
+  QKV_CHECK(fd_ != nullptr);
+  buffer.resize(n);
+  const std::size_t bytes = n * sizeof(float);
+  const auto off = static_cast<off_t>(s.logprobs_offset + i * bytes);
+  std::size_t done = 0;
+  while (done < bytes) {
+    const ssize_t got = ::pread(*fd_, reinterpret_cast<char*>(buffer.data()) + done, bytes - done,
+                                off + static_cast<off_t>(done));
+    if (got <= 0) fail(ErrorCode::io, "{}: cannot read the reference trace", path_);
+    done += static_cast<std::size_t>(got);
+  }
+  return buffer.data();
 }
 
 }  // namespace qkvshare::agents
