@@ -19,7 +19,7 @@ struct ServeArgs {
   ModelArgs model;
   server::ServerOptions o;
   int pool_mib = 512, cache_mib = 0, max_body_kib = 8192;
-  bool no_auto_reuse = false, quiet = false;
+  bool no_auto_reuse = false, quiet = false, no_think = false;
 };
 
 void run_serve(ServeArgs& a) {
@@ -29,6 +29,7 @@ void run_serve(ServeArgs& a) {
   o.max_body_bytes = static_cast<std::size_t>(a.max_body_kib) << 10;
   o.auto_reuse = !a.no_auto_reuse;
   o.log_requests = !a.quiet;
+  o.thinking = !a.no_think;
   if (o.model_id.empty()) o.model_id = std::filesystem::path(a.model.model_path).stem().string();
   // Block the stop signals before any thread starts, so only the waiter below sees them.
   sigset_t stop;
@@ -89,6 +90,9 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--max-tokens", args->o.limits.max_tokens, "Largest max_tokens a request may ask for")->check(CLI::Range(1, 1 << 22));
   cmd->add_flag("--no-auto-reuse", args->no_auto_reuse, "Do not reuse other requests' KV unless a request names a context");
   cmd->add_flag("--quiet", args->quiet, "No per-request log lines on stderr");
+  cmd->add_option("--chat-template", args->o.chat_template,
+                  "Chat template family instead of the model's (chatml, qwen3, llama3, gemma, phi3, mistral, plain)");
+  cmd->add_flag("--no-think", args->no_think, "Qwen3: answer without a reasoning block");
   cmd->callback([args] { run_serve(*args); });
 }
 

@@ -4,9 +4,11 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "qkvshare/server/context_store.hpp"
@@ -76,8 +78,8 @@ struct Server::Impl {
   httplib::Server http;
   int port = 0;
   int capacity = 0;
-  bool chatml = false;
-  TokenId im_end = -1;
+  std::optional<ChatTemplate> tmpl;    // the model's own chat template (or --chat-template)
+  std::vector<TokenId> turn_ends;      // the tokens that close a turn in it
   std::atomic<bool> draining{false};
   std::atomic<std::uint64_t> request_seq{0};
   std::mutex tokenizer_mu;  // the tokenizers keep per-call scratch; one encode at a time
@@ -107,14 +109,13 @@ struct Server::Impl {
     return ids;
   }
 
-  // The model's own chat template: ChatML when the vocabulary has it (the
-  // model layer's format_chatml, shared with the CLI), else plain lines.
+  // The model's own chat template (tokenizer.chat_template, the model
+  // layer's ChatTemplate, shared with the CLI): ChatML for SmolLM2, plain
+  // lines for llama2.c models.
   std::string render(const std::vector<ChatMessage>& messages, bool generation_prompt) const {
-    if (chatml) return format_chatml(messages, generation_prompt);
-    std::string s;
-    for (const ChatMessage& m : messages) s += m.content + "\n";
-    return s;
+    return tmpl->format(messages, generation_prompt);
   }
+  bool ends_turn(TokenId t) const { return std::find(turn_ends.begin(), turn_ends.end(), t) != turn_ends.end(); }
 
   KvFormat parse_format(const std::string& text, const std::string& param) const {
     try {
@@ -161,7 +162,8 @@ struct Server::Impl {
         std::string tail;
         std::vector<TokenId> ids;
         if (r.endpoint == Endpoint::chat) {
-          tail = (chatml && base.back() != im_end ? "<|im_end|>\n" : "") + render(r.messages, true);
+          // A reply that generation left open is closed first, as the template would have it.
+          tail = (!turn_ends.empty() && !ends_turn(base.back()) ? tmpl->close_reply() : "") + render(r.messages, true);
           ids = encode(tail, false);
         } else {
           ids = r.prompt_ids.empty() ? encode(r.prompt, false) : r.prompt_ids;
@@ -530,10 +532,9 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
     fail(ErrorCode::invalid_argument, "--kv: {}", e.what());
   }
   const Tokenizer& tok = engine.model().tokenizer();
-  const auto im_start = tok.find("<|im_start|>");
-  const auto im_end = tok.find("<|im_end|>");
-  m.chatml = im_start && im_end;
-  if (im_end) m.im_end = *im_end;
+  m.tmpl = engine.model().chat_template(o.chat_template, o.thinking);
+  for (std::string_view piece : m.tmpl->stop_pieces())
+    if (const auto id = tok.find(piece)) m.turn_ends.push_back(*id);
   m.store = std::make_unique<ContextStore>(m.pool, engine, StoreOptions{o.cache_bytes, o.auto_reuse});
   register_metrics(m.metrics);
   m.scheduler = make_batched_scheduler(engine, *m.store, m.metrics, SchedulerOptions{o.parallel, o.queue, 256, m.capacity});

@@ -40,6 +40,7 @@ expect_error "truncated_tok.bin" generate -m "$S" -t "$tmp/truncated_tok.bin" -p
 expect_error "top-p" generate -m "$S" -t "$T" -p hi --top-p 2
 expect_error "temperature" generate -m "$S" -t "$T" -p hi --temp -1
 expect_error "chat template 'vicuna' is not one of chatml" generate -m "$S" -t "$T" -p hi --chat-template vicuna
+expect_error "chat template 'vicuna' is not one of chatml" serve -m "$S" -t "$T" --port 0 --chat-template vicuna
 expect_error "not a weight type make-model writes" make-model --shape tiny-llama --type Q8_K -o "$tmp/x.gguf"
 expect_error "context length" generate -m "$S" -t "$T" -p "Once upon a time there was a girl" --ctx 4
 # Portable context files and key files (tiers).

@@ -34,6 +34,8 @@ struct ServerOptions {
   int http_threads = 0;                   // 0: enough for parallel + queue waiting clients
   Limits limits;
   bool log_requests = true;               // one JSON line per request on stderr
+  std::string chat_template;              // a family name (model/chat_template.hpp); empty: the model's own
+  bool thinking = true;                   // Qwen3: false answers without a reasoning block
 };
 
 class Server {
