@@ -1,6 +1,7 @@
 #include "qkvshare/server/context_store.hpp"
 
 #include <charconv>
+#include <set>
 
 #include "qkvshare/server/api.hpp"
 #include "qkvshare/share/fingerprint.hpp"
@@ -77,7 +78,10 @@ SealedInfo ContextStore::add_locked(const std::string& owner, const PooledKvCach
   e.tokens.assign(tokens.begin(), tokens.end());
   e.format = format;
   e.bytes = cache.kv_bytes();
-  for (const KvSegment& s : cache.segments()) e.blocks += static_cast<int>(s.blocks.size());
+  for (const KvSegment& s : cache.segments()) {
+    e.blocks += static_cast<int>(s.blocks.size());
+    for (const BlockRef& b : s.blocks) e.block_index.push_back(b.index);
+  }
   e.created_ms = now_ms();
   e.last_used = ++clock_;
   try {
@@ -284,12 +288,19 @@ int ContextStore::evict_over_budget() {
 std::map<std::string, ContextStore::FormatStats> ContextStore::stats() {
   std::lock_guard lock(mu_);
   std::map<std::string, FormatStats> out;
+  std::map<std::string, std::set<std::uint32_t>> distinct;
+  std::map<std::string, double> block_bytes;  // one block of the format (all its blocks are alike)
   for (const auto& [id, e] : entries_) {
-    FormatStats& s = out[e.format.to_string()];
+    const std::string f = e.format.to_string();
+    FormatStats& s = out[f];
     ++s.contexts;
     s.tokens += static_cast<long long>(e.tokens.size());
-    s.blocks += e.blocks;
-    s.bytes += e.bytes;
+    distinct[f].insert(e.block_index.begin(), e.block_index.end());
+    if (e.blocks > 0) block_bytes[f] = static_cast<double>(e.bytes) / e.blocks;
+  }
+  for (auto& [f, s] : out) {
+    s.blocks = static_cast<long long>(distinct[f].size());
+    s.bytes = static_cast<std::size_t>(block_bytes[f] * static_cast<double>(s.blocks) + 0.5);
   }
   return out;
 }

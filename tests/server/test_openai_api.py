@@ -89,8 +89,11 @@ def test_automatic_reuse_is_exact_and_reported(make_server):
     assert ext["reuse"]["automatic"] is True and ext["reuse"]["mode"] in ("continue", "fork")
     assert ext["reused_tokens"] + ext["computed_tokens"] == reused.usage.prompt_tokens
     assert reused.choices[0].message.content == fresh.choices[0].message.content
-    m = s.metrics()
+    m = s.wait_idle()
     assert sum(v for k, v in m.items() if k.startswith("qkvshare_tokens_reused_total")) >= 32
+    # The reusing contexts share the first one's blocks: each block is counted once.
+    cached = sum(v for k, v in m.items() if k.startswith("qkvshare_cached_blocks"))
+    assert 0 < cached <= m['qkvshare_pool_blocks{state="used"}']
 
 
 def test_no_auto_reuse_flag(make_server):

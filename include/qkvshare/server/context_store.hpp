@@ -79,6 +79,8 @@ class ContextStore {
   int evict_over_budget();
   bool evict_one();
 
+  // Per KV format: blocks and bytes count each pool block once, however many
+  // cached contexts share it (a context and the ones that continued it).
   struct FormatStats {
     int contexts = 0;
     long long tokens = 0, blocks = 0;
@@ -99,6 +101,7 @@ class ContextStore {
     KvFormat format;
     std::size_t bytes = 0;
     int blocks = 0;
+    std::vector<std::uint32_t> block_index;  // pool blocks it holds (shared with its forks)
     std::int64_t created_ms = 0;
     std::uint64_t last_used = 0;
   };
