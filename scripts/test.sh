@@ -20,7 +20,7 @@ echo "[test] ASan+UBSan build: C++ tests (the server's HTTP tests run in the rel
 BUILD_DIR=build-asan BUILD_TYPE=Debug scripts/build.sh -DQKVSHARE_SANITIZE=ON -DQKVSHARE_BUILD_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE "reference|slow|server|python"
-echo "[test] ThreadSanitizer build: the concurrent parts (thread pool, KV pool, share layer, batched passes and scheduler, tiers' prefetch)" >&2
+echo "[test] ThreadSanitizer build: the concurrent parts (thread pool, KV pool, share layer, batched passes and scheduler, tiers' prefetch, the server's threads)" >&2
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_TSAN=ON -DQKVSHARE_BUILD_BENCH=OFF >&2
 cmake --build build-tsan -j "$(nproc)" --target test_core test_kv test_share test_engine test_tiers >&2
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
@@ -29,6 +29,19 @@ build-tsan/tests/test_kv --gtest_filter='KvPool.*'
 build-tsan/tests/test_share
 build-tsan/tests/test_engine --gtest_filter='SchedulerTest.*:BatchTest.MixedBatchMatchesEachAloneToRounding*'
 build-tsan/tests/test_tiers --gtest_filter='Tiers.*'
+# The server's threads (HTTP workers, the batched scheduler, the context store) under TSan: the
+# HTTP tests against a TSan build of the CLI; any report fails the stage (tests/server/tsan.supp:
+# only reports from inside the uninstrumented cpp-httplib library are suppressed).
+cmake --build build-tsan -j "$(nproc)" --target qkvshare >&2
+rm -rf build-tsan/tsan-server && mkdir -p build-tsan/tsan-server
+TSAN_OPTIONS="suppressions=$PWD/tests/server/tsan.supp:log_path=$PWD/build-tsan/tsan-server/report" \
+  QKVSHARE_CLI="$PWD/build-tsan/src/cli/qkvshare" QKVSHARE_SHARED="$(cd .. && pwd)/shared" QKVSHARE_SOURCE="$PWD" \
+  .venv/bin/python -m pytest -q -x -p no:cacheprovider tests/server -k "not langgraph"
+if compgen -G "build-tsan/tsan-server/report*" >/dev/null; then
+  cat build-tsan/tsan-server/report* >&2
+  echo "[test] ThreadSanitizer reported on the server's threads" >&2
+  exit 1
+fi
 echo "[test] libFuzzer: the GGUF and descriptor parsers 60 s each, the server's HTTP request path 30 s" >&2
 CXX=clang++ CC=clang cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_FUZZ=ON \
   -DQKVSHARE_BUILD_TESTS=OFF -DQKVSHARE_BUILD_BENCH=OFF >&2
