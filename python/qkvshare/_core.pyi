@@ -104,9 +104,9 @@ class Model:
 class Engine:
     """Runs the model's forward pass for any number of sessions."""
 
-    def __init__(self, model: Model, threads: int = 0, max_batch: int = 256, exact_matmul: bool = False) -> None:
+    def __init__(self, model: Model, threads: int = 0, max_batch: int = 256, exact_matmul: bool = False, token_budget: int | None = None, max_sessions: int = 0) -> None:
         """
-        threads=0: all hardware threads. exact_matmul: float activations (slow; for reference checks).
+        threads=0: all hardware threads. exact_matmul: float activations (slow; for reference checks). The step API's scheduler: token_budget, tokens per forward pass (default max_batch; a long prompt is chunked so decoding sessions keep their pace); max_sessions, requests per pass (0: no limit). Under either limit, requests with a higher `priority` run first.
         """
 
     @property
@@ -115,7 +115,7 @@ class Engine:
     @property
     def threads(self) -> int: ...
 
-    def generate_batch(self, sessions: Sequence[Session], prompts: Sequence[str | Sequence[int]], max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0, stop: Sequence[str] = [], ignore_eos: bool = False, special: bool = False) -> list[GenerateResult]:
+    def generate_batch(self, sessions: Sequence[Session], prompts: Sequence[str | Sequence[int]], max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0, stop: Sequence[str] = [], ignore_eos: bool = False, special: bool = False, priorities: Sequence[int] | None = None) -> list[GenerateResult]:
         """
         Generates for several sessions of this engine together through the step API: each step is one forward pass carrying the next token of every decoding session and prompt chunks of the others. Returns one GenerateResult per session; a session that fails ends alone, and its error is raised after the others have finished.
         """
@@ -184,12 +184,12 @@ class Session:
         Feeds a str or token ids; returns the next-token logits (a read-only NumPy view, [vocab], or [tokens, vocab] with all_logits). A str is encoded with BOS first when the session is empty and the model adds BOS; `special` parses texts such as <|im_start|>.
         """
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0, stop: Sequence[str] = [], ignore_eos: bool = False, special: bool = False) -> GenerateResult:
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0, stop: Sequence[str] = [], ignore_eos: bool = False, special: bool = False, priority: int = 0) -> GenerateResult:
         """
-        Appends the prompt and generates (blocking); sampling options as the CLI's (temperature 0: greedy).
+        Appends the prompt and generates (blocking); sampling options as the CLI's (temperature 0: greedy). priority: higher runs first when the engine's token_budget or max_sessions limits a pass.
         """
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0, stop: Sequence[str] = [], ignore_eos: bool = False, special: bool = False) -> Stream:
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0, stop: Sequence[str] = [], ignore_eos: bool = False, special: bool = False, priority: int = 0) -> Stream:
         """
         Like generate(), as an iterator of text pieces. Each next() steps the engine's scheduler until text arrives: every stream, generate() and generate_batch() of this engine in progress advances in the same forward pass (the GIL is released while the model runs).
         """

@@ -107,10 +107,16 @@ void bind_model(nb::module_& m) {
       });
 
   nb::class_<EngineBox>(m, "Engine", "Runs the model's forward pass for any number of sessions.")
-      .def(nb::new_([](std::shared_ptr<ModelBox> model, int threads, int max_batch, bool exact_matmul) {
+      .def(nb::new_([](std::shared_ptr<ModelBox> model, int threads, int max_batch, bool exact_matmul,
+                       std::optional<int> token_budget, int max_sessions) {
              if (!model) fail(ErrorCode::invalid_argument, "Engine: model is None");
              if (threads < 0) fail(ErrorCode::invalid_argument, "Engine: threads must be >= 0, got {}", threads);
              if (max_batch < 1) fail(ErrorCode::invalid_argument, "Engine: max_batch must be >= 1, got {}", max_batch);
+             if (token_budget && (*token_budget < 1 || *token_budget > max_batch))
+               fail(ErrorCode::invalid_argument, "Engine: token_budget must be in [1, max_batch={}], got {}", max_batch,
+                    *token_budget);
+             if (max_sessions < 0)
+               fail(ErrorCode::invalid_argument, "Engine: max_sessions must be >= 0, got {}", max_sessions);
              auto box = std::make_shared<EngineBox>();
              box->model = std::move(model);
              EngineOptions o;
@@ -120,12 +126,17 @@ void bind_model(nb::module_& m) {
              nb::gil_scoped_release release;
              box->engine = std::make_unique<Engine>(*box->model->model, o);
              SchedulerOptions so;
-             so.token_budget = max_batch;
+             so.token_budget = token_budget.value_or(max_batch);
+             so.max_sessions = max_sessions;
              box->scheduler = std::make_unique<Scheduler>(*box->engine, so);
              return box;
            }),
            nb::arg("model"), nb::arg("threads") = 0, nb::arg("max_batch") = 256, nb::arg("exact_matmul") = false,
-           "threads=0: all hardware threads. exact_matmul: float activations (slow; for reference checks).")
+           nb::arg("token_budget") = nb::none(), nb::arg("max_sessions") = 0,
+           "threads=0: all hardware threads. exact_matmul: float activations (slow; for reference checks). "
+           "The step API's scheduler: token_budget, tokens per forward pass (default max_batch; a long prompt "
+           "is chunked so decoding sessions keep their pace); max_sessions, requests per pass (0: no limit). "
+           "Under either limit, requests with a higher `priority` run first.")
       .def_prop_ro("model", [](const EngineBox& e) { return e.model; })
       .def_prop_ro("threads", [](EngineBox& e) { return e.engine->pool().size(); });
 }

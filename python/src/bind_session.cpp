@@ -73,7 +73,7 @@ struct Job {
   bool active = false;
 
   // Call with the GIL held (s->streaming is guarded by it) and the engine's mutex not held.
-  void submit(std::vector<TokenId> prompt, const GenerateOptions& o, bool keep_text) {
+  void submit(std::vector<TokenId> prompt, const GenerateOptions& o, bool keep_text, int priority = 0) {
     Session& session = s->get();
     n_past_before = session.n_past();
     prompt_tokens = static_cast<int>(prompt.size());
@@ -81,6 +81,7 @@ struct Job {
     r.session = &session;
     r.prompt = std::move(prompt);
     r.options = o;
+    r.priority = priority;
     if (keep_text) r.on_text = [t = text](std::string_view piece) { t->append(piece); };
     {
       nb::gil_scoped_release release;
@@ -128,9 +129,9 @@ RequestResult run_until_done(Job& job) {
 
 class Stream {
  public:
-  Stream(std::shared_ptr<SessionBox> s, std::vector<TokenId> prompt, const GenerateOptions& o) {
+  Stream(std::shared_ptr<SessionBox> s, std::vector<TokenId> prompt, const GenerateOptions& o, int priority) {
     job_.s = std::move(s);
-    job_.submit(std::move(prompt), o, /*keep_text=*/true);
+    job_.submit(std::move(prompt), o, /*keep_text=*/true, priority);
   }
   ~Stream() {
     try {
@@ -313,13 +314,13 @@ void bind_session(nb::module_& m) {
           "generate",
           [](std::shared_ptr<SessionBox> s, nb::handle prompt, int max_tokens, double temperature, int top_k,
              double top_p, double min_p, double repeat_penalty, int repeat_last_n, std::uint64_t seed,
-             std::vector<std::string> stop, bool ignore_eos, bool special) {
+             std::vector<std::string> stop, bool ignore_eos, bool special, int priority) {
             s->get();
             const GenerateOptions o = generate_options(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
                                                        repeat_last_n, seed, std::move(stop), ignore_eos);
             Job job;
             job.s = s;
-            job.submit(with_pending(*s, prompt, special), o, /*keep_text=*/false);
+            job.submit(with_pending(*s, prompt, special), o, /*keep_text=*/false, priority);
             RequestResult r;
             {
               nb::gil_scoped_release release;
@@ -332,23 +333,25 @@ void bind_session(nb::module_& m) {
           nb::arg("prompt"), nb::arg("max_tokens") = 128, nb::arg("temperature") = 0.8, nb::arg("top_k") = 40,
           nb::arg("top_p") = 0.95, nb::arg("min_p") = 0.05, nb::arg("repeat_penalty") = 1.0,
           nb::arg("repeat_last_n") = 64, nb::arg("seed") = 0, nb::arg("stop") = std::vector<std::string>{},
-          nb::arg("ignore_eos") = false, nb::arg("special") = false,
-          "Appends the prompt and generates (blocking); sampling options as the CLI's (temperature 0: greedy).")
+          nb::arg("ignore_eos") = false, nb::arg("special") = false, nb::arg("priority") = 0,
+          "Appends the prompt and generates (blocking); sampling options as the CLI's (temperature 0: greedy). "
+          "priority: higher runs first when the engine's token_budget or max_sessions limits a pass.")
       .def(
           "stream",
           [](std::shared_ptr<SessionBox> s, nb::handle prompt, int max_tokens, double temperature, int top_k,
              double top_p, double min_p, double repeat_penalty, int repeat_last_n, std::uint64_t seed,
-             std::vector<std::string> stop, bool ignore_eos, bool special) {
+             std::vector<std::string> stop, bool ignore_eos, bool special, int priority) {
             s->get();
             const GenerateOptions o = generate_options(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
                                                        repeat_last_n, seed, std::move(stop), ignore_eos);
             std::vector<TokenId> ids = with_pending(*s, prompt, special);
-            return new Stream(s, std::move(ids), o);
+            return new Stream(s, std::move(ids), o, priority);
           },
           nb::arg("prompt"), nb::arg("max_tokens") = 128, nb::arg("temperature") = 0.8, nb::arg("top_k") = 40,
           nb::arg("top_p") = 0.95, nb::arg("min_p") = 0.05, nb::arg("repeat_penalty") = 1.0,
           nb::arg("repeat_last_n") = 64, nb::arg("seed") = 0, nb::arg("stop") = std::vector<std::string>{},
-          nb::arg("ignore_eos") = false, nb::arg("special") = false, nb::rv_policy::take_ownership,
+          nb::arg("ignore_eos") = false, nb::arg("special") = false, nb::arg("priority") = 0,
+          nb::rv_policy::take_ownership,
           "Like generate(), as an iterator of text pieces. Each next() steps the engine's scheduler until text "
           "arrives: every stream, generate() and generate_batch() of this engine in progress advances in the "
           "same forward pass (the GIL is released while the model runs).")
@@ -406,10 +409,14 @@ void bind_session(nb::module_& m) {
       nb::cpp_function(
           [](std::shared_ptr<EngineBox> e, std::vector<std::shared_ptr<SessionBox>> sessions, nb::list prompts,
              int max_tokens, double temperature, int top_k, double top_p, double min_p, double repeat_penalty,
-             int repeat_last_n, std::uint64_t seed, std::vector<std::string> stop, bool ignore_eos, bool special) {
+             int repeat_last_n, std::uint64_t seed, std::vector<std::string> stop, bool ignore_eos, bool special,
+             std::optional<std::vector<int>> priorities) {
             if (sessions.size() != nb::len(prompts))
               fail(ErrorCode::invalid_argument, "generate_batch: {} sessions but {} prompts", sessions.size(),
                    nb::len(prompts));
+            if (priorities && priorities->size() != sessions.size())
+              fail(ErrorCode::invalid_argument, "generate_batch: {} sessions but {} priorities", sessions.size(),
+                   priorities->size());
             GenerateOptions o = generate_options(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
                                                  repeat_last_n, seed, std::move(stop), ignore_eos);
             std::vector<Job> jobs(sessions.size());
@@ -427,7 +434,8 @@ void bind_session(nb::module_& m) {
             try {
               for (; submitted < jobs.size(); ++submitted) {
                 jobs[submitted].s = sessions[submitted];
-                jobs[submitted].submit(with_pending(*sessions[submitted], prompts[submitted], special), o, false);
+                jobs[submitted].submit(with_pending(*sessions[submitted], prompts[submitted], special), o, false,
+                                       priorities ? (*priorities)[submitted] : 0);
               }
             } catch (...) {
               // Nothing of a batch that could not start runs: cancel what was queued.
@@ -462,7 +470,7 @@ void bind_session(nb::module_& m) {
           nb::arg("prompts"), nb::arg("max_tokens") = 128, nb::arg("temperature") = 0.8, nb::arg("top_k") = 40,
           nb::arg("top_p") = 0.95, nb::arg("min_p") = 0.05, nb::arg("repeat_penalty") = 1.0,
           nb::arg("repeat_last_n") = 64, nb::arg("seed") = 0, nb::arg("stop") = std::vector<std::string>{},
-          nb::arg("ignore_eos") = false, nb::arg("special") = false,
+          nb::arg("ignore_eos") = false, nb::arg("special") = false, nb::arg("priorities") = nb::none(),
           "Generates for several sessions of this engine together through the step API: each step is one "
           "forward pass carrying the next token of every decoding session and prompt chunks of the others. "
           "Returns one GenerateResult per session; a session that fails ends alone, and its error is raised "

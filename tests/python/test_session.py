@@ -214,3 +214,31 @@ def test_generate_batch_equals_alone(engine):
     with pytest.raises(q.ContextFull):
         engine.generate_batch([sessions[1], full], [" more", list(range(1, 20))])
     assert sessions[1].generate(" and", max_tokens=2, temperature=0).tokens  # nothing left running
+
+
+def test_priorities_and_scheduler_limits(stories):
+    # One request per pass: the higher priority runs every pass until it is done, so the other's
+    # prompt only starts after it; outputs are each session's own either way.
+    e = q.Engine(stories, threads=1, max_sessions=1)
+    want = [e.session(kv="int8").generate(p, max_tokens=12, temperature=0, ignore_eos=True).tokens
+            for p in (PROMPT, "The cat")]
+    low, high = e.session(kv="int8"), e.session(kv="int8")
+    got = e.generate_batch([low, high], [PROMPT, "The cat"], max_tokens=12, temperature=0, ignore_eos=True,
+                           priorities=[0, 5])
+    assert [r.tokens for r in got] == want
+    first_high = got[1].prefill_seconds + got[1].decode_seconds
+    assert got[0].prefill_seconds >= first_high  # low's prompt waited for all of high
+    again = e.session(kv="int8")
+    assert again.generate(PROMPT, max_tokens=12, temperature=0, ignore_eos=True, priority=3).tokens == want[0]
+    assert "".join(again.stream(" and", max_tokens=3, temperature=0, priority=-1))
+    with pytest.raises(q.InvalidArgument, match="priorities"):
+        e.generate_batch([low, high], ["a", "b"], priorities=[1])
+    with pytest.raises(q.InvalidArgument, match="token_budget"):
+        q.Engine(stories, threads=1, max_batch=8, token_budget=9)
+    with pytest.raises(q.InvalidArgument, match="max_sessions"):
+        q.Engine(stories, threads=1, max_sessions=-1)
+    with pytest.raises(TypeError):
+        low.generate("x", priority="high")
+    # A small token budget chunks a long prompt and gives the same tokens.
+    small = q.Engine(stories, threads=1, token_budget=4)
+    assert small.session(kv="int8").generate(PROMPT, max_tokens=12, temperature=0, ignore_eos=True).tokens == want[0]
