@@ -134,19 +134,8 @@ inline void prefetch_rows(const GemmArgs& a, std::int64_t r0, std::int64_t n_row
   for (std::size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-// Decode: R rows at a time, straight from memory.
-template <class F, int R>
-void gemv_tiled(const GemmArgs& a) {
-  std::int64_t r = 0;
-  for (; r + R <= a.n_rows; r += R) {
-    prefetch_rows(a, r + kAheadRows, R);
-    tile<F, R, 1>(a, RowSource<F, R>(a, r), r, 0);
-  }
-  for (; r < a.n_rows; ++r) tile<F, 1, 1>(a, RowSource<F, 1>(a, r), r, 0);
-}
-
-// A few tokens (several sessions decoding together): rows streamed as in
-// decode, each decoded weight step used by all T tokens in registers.
+// Decode: R rows at a time straight from memory, each weight step used by
+// all T tokens in registers (T > 1: several sessions decoding together).
 template <class F, int R, int T>
 void gemv_tokens(const GemmArgs& a) {
   std::int64_t r = 0;
@@ -171,7 +160,7 @@ void token_tiles(const GemmArgs& a, const typename F::W* buf, std::int64_t r0, s
 template <class F, int R, int T>
 void gemm_tiled(const GemmArgs& a) {
   switch (a.n_tokens) {
-    case 1: return gemv_tiled<F, R>(a);
+    case 1: return gemv_tokens<F, R, 1>(a);
     case 2: return gemv_tokens<F, R, 2>(a);
     case 3: return gemv_tokens<F, R, 3>(a);
     case 4: return gemv_tokens<F, R, 4>(a);

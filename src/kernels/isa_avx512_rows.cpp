@@ -170,21 +170,8 @@ inline void prefetch_next(const GemmArgs& a, const RowTile& rt, std::int64_t b, 
   for (int r = 0; r < kRows; ++r) __builtin_prefetch(rt.row(r) + ahead + off + 64, 0, 3);
 }
 
-template <class F>
-void gemv_rows(const GemmArgs& a, const RowTile& rt, std::int64_t r0, std::size_t block_bytes) {
-  const std::int64_t nb = a.cols / 32;
-  __m512 acc[1] = {_mm512_setzero_ps()};
-  for (std::int64_t b = 0; b < nb; ++b) {
-    prefetch_next(a, rt, b, block_bytes);
-    Tile w;
-    F::decode(rt, b, w);
-    mac<F::kMin, 1>(acc, w, a.act, 0, b);
-  }
-  store<1>(a, rt, r0, 0, acc);
-}
-
-// A few tokens (batched decode of several sessions): each block is decoded
-// into registers once and used by every token, streamed like gemv_rows.
+// Decode: the rows streamed once, each block decoded into registers and used
+// by all T tokens (T > 1: several sessions decoding together).
 template <class F, int T>
 void gemv_rows_tokens(const GemmArgs& a, const RowTile& rt, std::int64_t r0, std::size_t block_bytes) {
   const std::int64_t nb = a.cols / 32;
@@ -236,9 +223,7 @@ template <class F, std::size_t kBlockBytes>
 void gemm_rows(const GemmArgs& a) {
   const std::int64_t nb = a.cols / 32;
   switch (a.n_tokens) {
-    case 1:
-      for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) gemv_rows<F>(a, row_tile(a, r0), r0, kBlockBytes);
-      return;
+    case 1: return gemv_tokens<F, 1>(a, kBlockBytes);
     case 2: return gemv_tokens<F, 2>(a, kBlockBytes);
     case 3: return gemv_tokens<F, 3>(a, kBlockBytes);
     case 4: return gemv_tokens<F, 4>(a, kBlockBytes);
