@@ -405,13 +405,9 @@ class Run {
     Request req;
     req.session = r.session.get();
     req.prompt = r.feed;
+    req.options = step_generate_options(agent, opts_.max_tokens_cap, r.forced);
     GenerateOptions& go = req.options;
-    go.max_new_tokens = opts_.max_tokens_cap > 0 ? std::min(agent.max_tokens, opts_.max_tokens_cap) : agent.max_tokens;
-    go.sampling = agent.sampling;
-    go.stop_strings = agent.stop;
     if (r.forced != nullptr) {
-      go.forced = r.forced->tokens;
-      if (go.forced.empty()) go.max_new_tokens = 0;
       go.on_logits = [this, &r](std::span<const float> logits) {
         const TraceStep& ref = *r.forced;
         r.quality.add(trace_.row(ref, r.scored, row_buffer_), logits, ref.tokens[r.scored]);

@@ -26,6 +26,18 @@ struct File {
 
 }  // namespace
 
+GenerateOptions step_generate_options(const AgentSpec& agent, int max_tokens_cap, const TraceStep* forced) {
+  GenerateOptions go;
+  go.max_new_tokens = max_tokens_cap > 0 ? std::min(agent.max_tokens, max_tokens_cap) : agent.max_tokens;
+  go.sampling = agent.sampling;
+  go.stop_strings = agent.stop;
+  if (forced != nullptr) {
+    go.forced = forced->tokens;
+    if (go.forced.empty()) go.max_new_tokens = 0;
+  }
+  return go;
+}
+
 void log_softmax(std::span<const float> x, std::vector<float>& out) {
   double m = -1e300, s = 0;
   for (float v : x) m = std::max(m, static_cast<double>(v));

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "qkvshare/agents/workflow.hpp"
+#include "qkvshare/engine/generate.hpp"
 #include "qkvshare/model/tokenizer.hpp"
 
 namespace qkvshare::agents {
@@ -37,6 +39,11 @@ struct ReferenceTrace {
   std::string path_;
   std::shared_ptr<int> fd_;  // the loaded file, closed with the last copy
 };
+
+// A step's generation settings: the agent's sampling, stop strings and
+// length (capped by max_tokens_cap > 0), or, given the reference's step,
+// exactly its tokens (equal work).
+GenerateOptions step_generate_options(const AgentSpec& agent, int max_tokens_cap, const TraceStep* forced);
 
 void log_softmax(std::span<const float> logits, std::vector<float>& out);
 

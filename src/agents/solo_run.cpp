@@ -66,14 +66,9 @@ RunReport run_solo(const Workflow& wf, const std::string& model_path, const std:
     if (session.n_past() == 0 && tok.add_bos() && tok.bos_id() >= 0) feed.push_back(tok.bos_id());
     const auto ids = tok.encode(session.n_past() == 0 ? turns.open(system, prompt) : turns.append(system, prompt), true);
     feed.insert(feed.end(), ids.begin(), ids.end());
-    GenerateOptions go;
-    go.max_new_tokens = opts.max_tokens_cap > 0 ? std::min(agent.max_tokens, opts.max_tokens_cap) : agent.max_tokens;
-    go.sampling = agent.sampling;
-    go.stop_strings = agent.stop;
-    if (const auto it = trace.steps.find(step.id); it != trace.steps.end()) {
-      go.forced = it->second.tokens;  // the reference run's answer
-      if (go.forced.empty()) go.max_new_tokens = 0;
-    }
+    const auto forced = trace.steps.find(step.id);  // the reference run's answer, when given
+    const GenerateOptions go =
+        step_generate_options(agent, opts.max_tokens_cap, forced != trace.steps.end() ? &forced->second : nullptr);
     const int n0 = session.n_past();
     const GenerateResult g = generate(engine, session, feed, go);
     m.ttft_seconds = since(ts) - g.decode_seconds;
