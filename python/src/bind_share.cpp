@@ -13,6 +13,17 @@
 
 namespace qkvshare::py {
 
+namespace {
+// Runs the session's last generated token, not yet in its KV, through the
+// model (with the engine's mutex held); its logits become the session's.
+void feed_pending(SessionBox& s, Engine& engine, Session& session) {
+  if (!s.pending) return;
+  const TokenId t = *s.pending;
+  store_logits(s, engine.forward(session, std::span<const TokenId>(&t, 1)), 1);
+  s.pending.reset();
+}
+}  // namespace
+
 SharePool& PoolBox::get() const {
   if (!pool) fail(ErrorCode::invalid_argument, "the pool{}{} is closed", name.empty() ? "" : " ", name);
   return *pool;
@@ -290,11 +301,7 @@ void bind_share(nb::module_& m) {
             nb::gil_scoped_release release;
             std::lock_guard lock(s->engine->mu);
             Engine& engine = *s->engine->engine;
-            if (s->pending) {
-              const TokenId t = *s->pending;
-              store_logits(*s, engine.forward(session, std::span<const TokenId>(&t, 1)), 1);
-              s->pending.reset();
-            }
+            feed_pending(*s, engine, session);
             c->sealed = seal_session(*s->pool, engine, s->engine->model->fingerprint, session, producer);
             return c;
           },
@@ -337,11 +344,7 @@ void bind_share(nb::module_& m) {
                 fail(ErrorCode::invalid_argument, "splice: range [{}, {}) is not inside the context's {} tokens", begin,
                      stop, n);
               Engine& engine = *s->engine->engine;
-              if (s->pending) {  // the last generated token goes in first, in its place
-                const TokenId t = *s->pending;
-                engine.forward(session, std::span<const TokenId>(&t, 1));
-                s->pending.reset();
-              }
+              feed_pending(*s, engine, session);  // the last generated token goes in first, in its place
               r = splice_tokens(engine, session, *oc.cache, oc.tokens, begin, stop, o);
               s->logits.reset();  // no pass ended on the spliced tokens' last position
             }
