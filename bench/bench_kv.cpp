@@ -5,6 +5,7 @@
 // step. Shape defaults to SmolLM2-135M (30 layers, 9 heads, 3 KV heads, 64).
 //
 //   bench_kv [--depth 2048] [--steps 64] [--threads 2] [--formats f16,int8,int4,...] [--path auto|scalar|avx2|avx512]
+//            [--tiles codes|decode]   (attention on integer codes, or each tile decoded to f32 first)
 // Prints a table on stdout and one JSON object per format on stderr.
 #include <time.h>
 
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
 namespace {
@@ -92,6 +94,7 @@ int main(int argc, char** argv) {
     else if (a == "--formats") formats = v;
     else if (a == "--path") path_name = v;
     else if (a == "--head-dim") shape.head_dim = std::atoi(v.c_str());
+    else if (a == "--tiles") kv::set_codes_attention(v != "decode");  // codes (default) | decode
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;

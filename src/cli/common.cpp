@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_kernels.hpp"
 
 namespace qkvshare::cli {
 
@@ -14,12 +15,17 @@ void add_model_args(CLI::App& cmd, ModelArgs& args) {
   cmd.add_option("--threads", args.threads, "Worker threads (0: all cores)")->check(CLI::Range(0, 1024));
   cmd.add_flag("--exact-matmul", args.exact_matmul,
                "Float activations in every matmul (scalar reference dots): slow, for checks against float references");
+  cmd.add_flag("--kv-decode-tiles", args.kv_decode_tiles,
+               "Attention decodes each integer KV tile to f32 before reading it, instead of computing on its codes "
+               "(the earlier, slower path; to compare the two)");
 }
 
 EngineOptions engine_options(const ModelArgs& args) {
   EngineOptions o;
   o.n_threads = args.threads;
   o.exact_matmul = args.exact_matmul;
+  // A process-wide switch of the kv layer; every command builds its engine here.
+  kv::set_codes_attention(!args.kv_decode_tiles);
   return o;
 }
 

@@ -16,9 +16,10 @@ struct ModelArgs {
   std::string tokenizer_path;
   int threads = 0;
   bool exact_matmul = false;
+  bool kv_decode_tiles = false;
 };
 
-// -m MODEL, -t TOKENIZER, --threads N, --exact-matmul
+// -m MODEL, -t TOKENIZER, --threads N, --exact-matmul, --kv-decode-tiles
 void add_model_args(CLI::App& cmd, ModelArgs& args);
 EngineOptions engine_options(const ModelArgs& args);
 // Loads the model, reporting the load time on stderr.

@@ -3,6 +3,7 @@
 // AVX-512 CPU has AVX2). Built with AVX-512 flags; reached only through
 // isa.cpp after the CPU check.
 #include "kernel_table.hpp"
+#include "kv_codes.hpp"
 #include "kv_tiles.hpp"
 
 namespace qkvshare::kernels::detail::avx512 {
@@ -20,5 +21,24 @@ void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, 
   detail::tile_weighted_sum<Vec>(o, p, rows, n_rows, head_dim);
 }
 float tile_exp_sum(float* x, int n, float max) { return detail::tile_exp_sum<Vec>(x, n, max); }
+// The code kernels take 32 channels at a time (2 x 16 lanes of int16), 64
+// for 4-bit keys (4 x 16 bytes).
+void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
+                      void* qc, float* ab) {
+  if (t.head_dim % Vec::N != 0) return avx2::tile_query_codes(t, tile, q, nq, score_scale, qc, ab);
+  detail::tile_query_codes<VecCodes>(t, tile, q, nq, score_scale, qc, ab);
+}
+void tile_code_scores(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc, const float* ab,
+                      int nq, float* s, std::size_t s_stride) {
+  if (t.head_dim % (2 * Vec::N) != 0 || (t.bits == 4 && t.head_dim % (4 * Vec::N) != 0))
+    return avx2::tile_code_scores(t, tile, lo, hi, qc, ab, nq, s, s_stride);
+  detail::tile_code_scores<VecCodes>(t, tile, lo, hi, qc, ab, nq, s, s_stride);
+}
+void tile_code_sum(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
+                   int nq, float* o) {
+  if (t.head_dim % (2 * Vec::N) != 0 || t.group % (2 * Vec::N) != 0)
+    return avx2::tile_code_sum(t, tile, lo, hi, p, p_stride, nq, o);
+  detail::tile_code_sum<VecCodes>(t, tile, lo, hi, p, p_stride, nq, o);
+}
 
 }  // namespace qkvshare::kernels::detail::avx512

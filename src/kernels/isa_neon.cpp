@@ -8,6 +8,7 @@
 #define QKVSHARE_NEON_DOT 0
 #include "neon_gemm.hpp"
 
+#include "kv_codes.hpp"
 #include "kv_tiles.hpp"
 #include "vec_math.hpp"
 
@@ -58,5 +59,6 @@ void silu_mul(float* gate, const float* up, std::int64_t n) {
 }
 
 QKVSHARE_DEFINE_TILE_KERNELS
+QKVSHARE_DEFINE_CODE_KERNELS
 
 }  // namespace qkvshare::kernels::detail::neon

@@ -42,5 +42,17 @@ void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, 
   neon::tile_weighted_sum(o, p, rows, n_rows, head_dim);
 }
 float tile_exp_sum(float* x, int n, float max) { return neon::tile_exp_sum(x, n, max); }
+void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
+                      void* qc, float* ab) {
+  neon::tile_query_codes(t, tile, q, nq, score_scale, qc, ab);
+}
+void tile_code_scores(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc, const float* ab,
+                      int nq, float* s, std::size_t s_stride) {
+  neon::tile_code_scores(t, tile, lo, hi, qc, ab, nq, s, s_stride);
+}
+void tile_code_sum(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
+                   int nq, float* o) {
+  neon::tile_code_sum(t, tile, lo, hi, p, p_stride, nq, o);
+}
 
 }  // namespace qkvshare::kernels::detail::neon_dot

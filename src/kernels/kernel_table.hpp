@@ -134,7 +134,13 @@ const KernelTable& portable_table() noexcept;
   void tile_decode(const TileCodes& t, const std::byte* tile, int n_rows, float* out);                       \
   float tile_scores(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);      \
   void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, int head_dim);              \
-  float tile_exp_sum(float* x, int n, float max);
+  float tile_exp_sum(float* x, int n, float max);                                                             \
+  void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,  \
+                        void* qc, float* ab);                                                        \
+  void tile_code_scores(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc,     \
+                        const float* ab, int nq, float* s, std::size_t s_stride);                            \
+  void tile_code_sum(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p,                \
+                     std::size_t p_stride, int nq, float* o);
 namespace avx2 {
 QKVSHARE_DECLARE_ISA_KERNELS
 }

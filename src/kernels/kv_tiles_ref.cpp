@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/half.hpp"
@@ -76,6 +77,114 @@ float exp_sum_ref(float* x, int n, float max) {
     sum += x[i];
   }
   return sum;
+}
+
+namespace {
+
+// The rounding of round_codes (kv_codes.hpp): |x| max -> qmax.
+template <class Out>
+float round_codes_ref(const float* x, int n, int qmax, Out* out) {
+  float m = 0.0f;
+  for (int i = 0; i < n; ++i) m = std::max(m, std::abs(x[i]));
+  const float inv = m > 0.0f ? static_cast<float>(qmax) / m : 0.0f;
+  for (int i = 0; i < n; ++i) out[i] = static_cast<Out>(std::nearbyint(x[i] * inv));
+  return m / static_cast<float>(qmax);
+}
+
+// Query code c of query i, in the layout query_codes writes.
+int query_code(const TileCodes& t, const void* qc, std::size_t at) {
+  return t.bits == 4 ? static_cast<const std::int8_t*>(qc)[at] : static_cast<const std::int16_t*>(qc)[at];
+}
+
+constexpr int kCodeWindow = 32;  // as kv_codes.hpp: the rounding depends on it
+
+float centre_of(int bits) { return static_cast<float>(1 << (bits - 1)); }
+
+}  // namespace
+
+void query_codes_ref(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
+                     void* qc, float* ab) {
+  const int D = t.head_dim;
+  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
+  const auto* mins = scales + t.param_stride;
+  std::vector<float> qs(static_cast<std::size_t>(D));
+  for (int i = 0; i < nq; ++i) {
+    const float* qi = q + static_cast<std::size_t>(i) * D;
+    float bias = 0.0f;
+    for (int c = 0; c < D; ++c) {
+      const float sc = fp16_to_fp32(scales[c]);
+      qs[static_cast<std::size_t>(c)] = qi[c] * sc;
+      bias += qi[c] * std::fma(centre_of(t.bits), sc, fp16_to_fp32(mins[c]));
+    }
+    const std::size_t at = static_cast<std::size_t>(i) * D;
+    const int qmax = query_code_max(t.bits, D);
+    const float step = t.bits == 4 ? round_codes_ref(qs.data(), D, qmax, static_cast<std::int8_t*>(qc) + at)
+                                   : round_codes_ref(qs.data(), D, qmax, static_cast<std::int16_t*>(qc) + at);
+    ab[2 * i] = score_scale * step;
+    ab[2 * i + 1] = score_scale * bias;
+  }
+}
+
+namespace {
+
+// Centred codes of rows [lo, hi): [j - lo][c].
+std::vector<int> centred_codes(const TileCodes& t, const std::byte* tile, int lo, int hi) {
+  const int D = t.head_dim;
+  std::vector<int> out(static_cast<std::size_t>(hi - lo) * static_cast<std::size_t>(D));
+  for (int j = lo; j < hi; ++j)
+    for (int c = 0; c < D; ++c)
+      out[static_cast<std::size_t>(j - lo) * D + c] =
+          unpack_code(tile + static_cast<std::size_t>(j) * t.row_bytes, c, t.bits) - (1 << (t.bits - 1));
+  return out;
+}
+
+}  // namespace
+
+void code_scores_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc, const float* ab,
+                     int nq, float* s, std::size_t s_stride) {
+  const int D = t.head_dim;
+  if (hi <= lo) return;
+  const std::vector<int> codes = centred_codes(t, tile, lo, hi);
+  for (int i = 0; i < nq; ++i)
+    for (int j = lo; j < hi; ++j) {
+      const int* row = &codes[static_cast<std::size_t>(j - lo) * D];
+      std::int32_t sum = 0;
+      for (int c = 0; c < D; ++c) sum += query_code(t, qc, static_cast<std::size_t>(i) * D + c) * row[c];
+      s[static_cast<std::size_t>(i) * s_stride + j] = std::fma(ab[2 * i], static_cast<float>(sum), ab[2 * i + 1]);
+    }
+}
+
+void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
+                  int nq, float* o) {
+  const int D = t.head_dim, G = t.group, groups = D / G;
+  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
+  const auto* mins = scales + t.param_stride;
+  std::vector<float> w(kCodeWindow);
+  std::vector<std::int16_t> w16(kCodeWindow);
+  if (hi <= lo) return;
+  const std::vector<int> codes = centred_codes(t, tile, lo, hi);
+  for (int j0 = lo & ~1; j0 < hi; j0 += kCodeWindow) {
+    const int j1 = std::min(j0 + kCodeWindow, hi), ja = std::max(j0, lo);
+    for (int i = 0; i < nq; ++i)
+      for (int g = 0; g < groups; ++g) {
+        const float* pi = p + static_cast<std::size_t>(i) * p_stride;
+        float bias = 0.0f;
+        std::fill(w.begin(), w.end(), 0.0f);
+        for (int j = ja; j < j1; ++j) {
+          const std::size_t pj = static_cast<std::size_t>(j * groups + g);
+          const float sc = fp16_to_fp32(scales[pj]);
+          w[static_cast<std::size_t>(j - j0)] = pi[j] * sc;
+          bias += pi[j] * std::fma(centre_of(t.bits), sc, fp16_to_fp32(mins[pj]));
+        }
+        const float step = round_codes_ref(w.data(), kCodeWindow, code_weight_max(kCodeWindow), w16.data());
+        for (int c = g * G; c < (g + 1) * G; ++c) {
+          std::int32_t sum = 0;
+          for (int j = ja; j < j1; ++j)
+            sum += w16[static_cast<std::size_t>(j - j0)] * codes[static_cast<std::size_t>(j - lo) * D + c];
+          o[static_cast<std::size_t>(i) * D + c] += std::fma(step, static_cast<float>(sum), bias);
+        }
+      }
+  }
 }
 
 }  // namespace qkvshare::kernels

@@ -1,6 +1,7 @@
 #include "kv_attention.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -55,7 +56,15 @@ kernels::Isa isa_of(AttendPath path) {
   }
 }
 
+std::atomic<bool> g_codes_attention{true};
+
 using Partial = BlockAttend::Partial;
+
+// Tiles sit wherever the pool put their pages, so the hardware prefetcher
+// cannot guess the next one: ask for it while the current one is read.
+void prefetch_tile(const std::byte* tile, std::size_t bytes) {
+  for (std::size_t off = 0; off < bytes; off += 64) __builtin_prefetch(tile + off);
+}
 
 // One job: KV head h, query tokens [t0, t1), key blocks [b0, b1).
 void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b0, int b1, bool partial,
@@ -64,7 +73,8 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
   const int D = s.head_dim, T = in.block_tokens, G = s.n_heads / s.n_kv_heads;
   const int nq = (t1 - t0) * G, keys = (b1 - b0) * T, total = in.key_total();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  thread_local std::vector<float> qbuf, obuf, scores, tile;
+  thread_local std::vector<float> qbuf, obuf, scores, tile, qab;
+  thread_local std::vector<std::int16_t> qcodes;  // int16 or int8 per channel (kv_tiles.hpp)
   qbuf.resize(static_cast<std::size_t>(nq) * D);
   obuf.assign(static_cast<std::size_t>(nq) * D, 0.0f);
   scores.resize(static_cast<std::size_t>(nq) * static_cast<std::size_t>(keys));
@@ -84,20 +94,40 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
   const int last_block = std::min(b1, in.causal ? (in.first_pos + t1 - 1) / T + 1 : (total + T - 1) / T);
   // Rows of block 0 before key_lo belong to another segment: never read.
   const auto lo_of = [&](int b) { return b == 0 ? in.key_lo : 0; };
+  const bool on_codes = codes_attention();
   for (int b = b0; b < last_block; ++b) {
-    const int rows = std::min(T, total - b * T);
+    const int rows = std::min(T, total - b * T), lo = lo_of(b);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
     const TileLayout l = tile_layout(in.k_codecs[b], T, D);
+    const kernels::TileCodes kc = tile_codes(in.k_codecs[b], l);
+    if (b + 1 < last_block) prefetch_tile(in.k_tiles[ti + s.n_kv_heads], tile_layout(in.k_codecs[b + 1], T, D).bytes);
+    const auto lim_of = [&](int i) { return std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T); };
+    if (on_codes && kernels::codes_keys_ok(kc)) {
+      // Scores straight from the codes, for the rows any query sees.
+      int hi = lo;
+      for (int i = 0; i < nq; ++i) hi = std::max(hi, lim_of(i));
+      if (hi <= lo) continue;
+      qcodes.resize(static_cast<std::size_t>(nq) * D);
+      qab.resize(2 * static_cast<std::size_t>(nq));
+      ops.query_codes(kc, in.k_tiles[ti], qbuf.data(), nq, scale, qcodes.data(), qab.data());
+      float* s0 = &scores[static_cast<std::size_t>(b - b0) * T];
+      ops.code_scores(kc, in.k_tiles[ti], lo, hi, qcodes.data(), qab.data(), nq, s0, static_cast<std::size_t>(keys));
+      for (int i = 0; i < nq; ++i) {
+        const float* si = s0 + static_cast<std::size_t>(i) * keys;
+        float& m = ml[static_cast<std::size_t>(i)].m;
+        for (int j = lo; j < lim_of(i); ++j) m = std::max(m, si[j]);
+      }
+      continue;
+    }
     const float* k = reinterpret_cast<const float*>(in.k_tiles[ti]);
     if (in.k_codecs[b].type != KvType::f32) {
-      ops.decode(tile_codes(in.k_codecs[b], l), in.k_tiles[ti], rows, tile.data());
+      ops.decode(kc, in.k_tiles[ti], rows, tile.data());
       k = tile.data();
     }
     for (int i = 0; i < nq; ++i) {
-      const int lim = std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T);
+      const int lim = lim_of(i);
       float* sc = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       const float* qi = &qbuf[static_cast<std::size_t>(i) * D];
-      const int lo = lo_of(b);
       if (lim > lo)
         ml[static_cast<std::size_t>(i)].m = std::max(
             ml[static_cast<std::size_t>(i)].m, ops.scores(qi, k + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D, scale, sc + lo));
@@ -110,19 +140,34 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     if (nv > lo) p.l = ops.exp_sum(&scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(lo)], nv - lo, p.m);
   }
   for (int b = b0; b < last_block; ++b) {
-    const int rows = std::min(T, total - b * T);
+    const int rows = std::min(T, total - b * T), lo = lo_of(b);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
     const TileLayout l = tile_layout(in.v_codecs[b], T, D);
+    const kernels::TileCodes vc = tile_codes(in.v_codecs[b], l);
+    if (b + 1 < last_block) prefetch_tile(in.v_tiles[ti + s.n_kv_heads], tile_layout(in.v_codecs[b + 1], T, D).bytes);
+    const auto lim_of = [&](int i) { return std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T); };
+    if (on_codes && kernels::codes_values_ok(vc)) {
+      // One call for all queries; rows a query does not see weigh 0.
+      int hi = lo;
+      for (int i = 0; i < nq; ++i) hi = std::max(hi, lim_of(i));
+      if (hi <= lo) continue;
+      float* p0 = &scores[static_cast<std::size_t>(b - b0) * T];
+      for (int i = 0; i < nq; ++i) {
+        float* pi = p0 + static_cast<std::size_t>(i) * keys;
+        for (int j = std::max(lo, lim_of(i)); j < hi; ++j) pi[j] = 0.0f;
+      }
+      ops.code_sum(vc, in.v_tiles[ti], lo, hi, p0, static_cast<std::size_t>(keys), nq, obuf.data());
+      continue;
+    }
     const float* v = reinterpret_cast<const float*>(in.v_tiles[ti]);
     if (in.v_codecs[b].type != KvType::f32) {
-      ops.decode(tile_codes(in.v_codecs[b], l), in.v_tiles[ti], rows, tile.data());
+      ops.decode(vc, in.v_tiles[ti], rows, tile.data());
       v = tile.data();
     }
     for (int i = 0; i < nq; ++i) {
-      const int lim = std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T);
+      const int lim = lim_of(i);
       const float* p = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       float* o = &obuf[static_cast<std::size_t>(i) * D];
-      const int lo = lo_of(b);
       if (lim > lo) ops.weighted_sum(o, p + lo, v + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D);
     }
   }
@@ -240,6 +285,9 @@ void BlockAttend::finish() {
     if (in_.rotate_v) unrotate(dst, D);
   }
 }
+
+void set_codes_attention(bool on) noexcept { g_codes_attention.store(on, std::memory_order_relaxed); }
+bool codes_attention() noexcept { return g_codes_attention.load(std::memory_order_relaxed); }
 
 void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool) {
   BlockAttend work;

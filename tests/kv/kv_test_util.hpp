@@ -6,6 +6,7 @@
 
 #include "qkvshare/kernels/isa.hpp"
 #include "qkvshare/kv/kv_cache.hpp"
+#include "qkvshare/kv/kv_kernels.hpp"
 
 namespace qkvshare::testing {
 
@@ -51,5 +52,24 @@ inline std::vector<float> run_pass(KvCache& cache, const Pass& p, int n, ThreadP
   cache.commit(n);
   return all;
 }
+
+// Attention on codes on or off (kv::set_codes_attention) for a scope.
+class CodesAttentionScope {
+ public:
+  explicit CodesAttentionScope(bool on) : saved_(kv::codes_attention()) { kv::set_codes_attention(on); }
+  ~CodesAttentionScope() { kv::set_codes_attention(saved_); }
+  CodesAttentionScope(const CodesAttentionScope&) = delete;
+  CodesAttentionScope& operator=(const CodesAttentionScope&) = delete;
+
+ private:
+  bool saved_;
+};
+
+// How far an attention output may be from float math over the same stored
+// rows: float rounding alone when tiles are decoded; on codes, also the
+// 15-bit rounding of queries and weights (kernels/kv_tiles.hpp): a rounding
+// flip of one weight moves an output by 1/32767 of the largest weight's
+// share. 1e-3 is still a twentieth of int8's own error per element.
+inline float attention_tolerance() { return kv::codes_attention() ? 1e-3f : 2e-5f; }
 
 }  // namespace qkvshare::testing

@@ -137,10 +137,12 @@ std::vector<AttendPath> every_path() {
 TEST(KvSplice, SegmentAttentionEqualsFreshComputationAtNewPositions) {
   ThreadPool threads(2);
   const Case cases[] = {{{2, 6, 3, 16}, 8, 45}, {{1, 4, 2, 32}, 4, 90}};
+  for (const bool codes : {false, true})
   for (const auto style : {kernels::RopeStyle::interleaved, kernels::RopeStyle::neox})
     for (const Case& cs : cases)
       for (const char* text : kFormats)
         for (const AttendPath path : every_path()) {
+          const testing::CodesAttentionScope scope(codes);
           const KvShape& s = cs.shape;
           const KvFormat f = KvFormat::parse(text);
           const KvRope rope = make_rope(s.head_dim, style);
@@ -181,7 +183,7 @@ TEST(KvSplice, SegmentAttentionEqualsFreshComputationAtNewPositions) {
             const auto want = write_pass(fresh, own, first, n, size0, rope, threads);
             const auto ref = reference(consumer, queries, size0, n, offset_of, rope);
             // The segment math against a double computation over the same stored rows.
-            ASSERT_LE(max_abs_diff(got, ref), 2e-5f) << what << " n=" << n;
+            ASSERT_LE(max_abs_diff(got, ref), testing::attention_tolerance()) << what << " n=" << n << " codes " << codes;
             // f32 rows are the fresh ones: only float rounding of the rotations apart.
             if (f.k.type == KvType::f32 && f.v.type == KvType::f32) {
               ASSERT_LE(max_abs_diff(got, want), 2e-5f) << what << " n=" << n;
@@ -224,7 +226,7 @@ TEST(KvSplice, ChainsTailsAndReleasesEveryBlock) {
     // [33, 45) <- tail tokens at positions 24.. at +9.
     const auto offset_of = [](int i) { return i < 5 ? 0 : i < 10 ? 3 : i < 27 ? 0 : i < 33 ? 3 : i < 45 ? 9 : 0; };
     const auto ref = reference(r, queries, size0, 3, offset_of, rope);
-    EXPECT_LE(max_abs_diff(got, ref), 2e-5f);
+    EXPECT_LE(max_abs_diff(got, ref), testing::attention_tolerance());
     EXPECT_GT(pool->counters().blocks_used, 0u);
   }
   EXPECT_EQ(pool->counters().blocks_used, 0u);

@@ -51,11 +51,13 @@ TEST(PooledKvCache, SimdAttentionMatchesScalarOnEveryFormat) {
   ThreadPool threads(2);
   const Geometry geos[] = {{{2, 6, 3, 16}, 8}, {{1, 4, 4, 8}, 32}, {{1, 9, 3, 64}, 16}, {{1, 2, 1, 48}, 4}};
   const int sizes[] = {1, 7, 33, 1, 1, 50, 3, 1, 90, 1, 1};
+  for (const bool codes : {false, true})
   for (const AttendPath path : paths)
     for (const Geometry& g : geos)
       for (const char* text : kAllFormats) {
         const KvFormat f = KvFormat::parse(text);
         if ((f.rotate_k || f.rotate_v) && (g.shape.head_dim & (g.shape.head_dim - 1)) != 0) continue;  // Hadamard: 2^k only
+        const testing::CodesAttentionScope scope(codes);
         auto pool = KvPool::create(PoolConfig{g.shape, g.block_tokens, KvPool::arena_bytes_for(g.shape, g.block_tokens, f, 256, 2)});
         PooledKvCache scalar(pool, f, 256), simd(pool, f, 256);
         scalar.set_attend_path(AttendPath::scalar);
@@ -67,7 +69,8 @@ TEST(PooledKvCache, SimdAttentionMatchesScalarOnEveryFormat) {
           const auto a = run_pass(scalar, pass, n, threads);
           const auto b = run_pass(simd, pass, n, threads);
           const auto r = run_pass(dense, pass, n, threads);
-          ASSERT_LE(max_abs_diff(a, b), 2e-5f) << text << " path " << static_cast<int>(path) << " n=" << n
+          ASSERT_LE(max_abs_diff(a, b), testing::attention_tolerance())
+              << text << (codes ? " on codes" : " decoded") << " path " << static_cast<int>(path) << " n=" << n
                                                << " size=" << scalar.size() << " head_dim " << g.shape.head_dim;
           // And the format approximates f32 attention to its own precision (relative RMS error).
           // (2 and 3 bits are too coarse for random rows; the eval measures them on real models.)

@@ -42,11 +42,57 @@ using TileWeightedSumFn = void (*)(float* o, const float* p, const float* rows, 
 // x[i] = exp(x[i] - max), returns the sum (SIMD: the one vector exp, ~2 ulp).
 using TileExpSumFn = float (*)(float* x, int n, float max);
 
+// Attention on the codes, without a decoded copy (where a tile holds integer
+// codes; see codes_keys_ok / codes_values_ok). Codes are centred first
+// (code - 2^(bits-1), the offset moved into the minimums), which keeps the
+// integer sums and their rounding error small:
+// - keys per channel: each query is folded with the tile's channel scales and
+//   rounded to 16-bit integers once per tile (query_codes), so that a row's
+//   score is one integer dot product over its codes:
+//   s_j = a * (qc . centred codes_j) + b, with a, b per query and tile (b
+//   carries the minimums: b = scale * sum_c q_c * (min_c + 2^(bits-1) scale_c));
+// - values per token in groups: the weights p_j * scale_jg are rounded to
+//   16-bit integers per query, group and window of rows, the centred codes
+//   summed under them in integers, and the minimums added once: code_sum.
+// Rounding maps the largest |x| to code_weight_max(head_dim) (sums of
+// 8-bit codes stay within int32), far below the codes' own error.
+inline constexpr int code_weight_max(int n_terms) noexcept { return n_terms <= 512 ? 32767 : 16383; }
+// Queries against 4-bit keys are rounded to bytes (+-127): one dot-product
+// instruction then covers 4x the channels, and the query's rounding error
+// stays a small fraction of the 4-bit keys' own. Other widths keep 16 bits.
+inline constexpr int query_code_max(int bits, int head_dim) noexcept {
+  return bits == 4 ? 127 : code_weight_max(head_dim);
+}
+
+// q [nq][head_dim] -> qc [nq][head_dim] (int8 for 4-bit keys, else int16:
+// query_code_max) and ab [nq][2] such that
+// ab[2i] * (qc_i . codes_j) + ab[2i + 1] ~ score_scale * (q_i . decoded row_j).
+using TileQueryCodesFn = void (*)(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
+                                  void* qc, float* ab);
+// s[i * s_stride + j] for rows j in [lo, hi) and queries i < nq.
+using TileCodeScoresFn = void (*)(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc,
+                                  const float* ab, int nq, float* s, std::size_t s_stride);
+// o[i * head_dim + c] += sum over j in [lo, hi) of p[i * p_stride + j] * row_j[c].
+using TileCodeSumFn = void (*)(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p,
+                               std::size_t p_stride, int nq, float* o);
+
+// Whether a tile's keys / values can go through the code kernels.
+inline bool codes_keys_ok(const TileCodes& t) noexcept {
+  return t.per_channel && (t.bits == 8 || t.bits == 4 || t.bits == 3 || t.bits == 2) && t.head_dim % 16 == 0;
+}
+inline bool codes_values_ok(const TileCodes& t) noexcept {
+  return !t.per_channel && (t.bits == 8 || t.bits == 4 || t.bits == 3 || t.bits == 2) && t.group % 16 == 0 &&
+         t.head_dim % 16 == 0;
+}
+
 struct TileKernels {
   TileDecodeFn decode = nullptr;
   TileScoresFn scores = nullptr;
   TileWeightedSumFn weighted_sum = nullptr;
   TileExpSumFn exp_sum = nullptr;
+  TileQueryCodesFn query_codes = nullptr;
+  TileCodeScoresFn code_scores = nullptr;
+  TileCodeSumFn code_sum = nullptr;
 };
 
 // The kernels of one level (throws Error(invalid_argument) where it is not
@@ -59,5 +105,11 @@ void decode_tile_ref(const TileCodes& codes, const std::byte* tile, int n_rows, 
 float scores_ref(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);
 void weighted_sum_ref(float* o, const float* p, const float* rows, int n_rows, int head_dim);
 float exp_sum_ref(float* x, int n, float max);
+void query_codes_ref(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
+                     void* qc, float* ab);
+void code_scores_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc, const float* ab,
+                     int nq, float* s, std::size_t s_stride);
+void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
+                  int nq, float* o);
 
 }  // namespace qkvshare::kernels

@@ -28,6 +28,12 @@ kernels::TileCodes tile_codes(const KvCodec& codec, const TileLayout& layout);
 // (kernels::decode_tile_ref), for code that needs the exact values.
 void decode_tile_scalar(const KvCodec& codec, const TileLayout& layout, const std::byte* tile, int n_rows, float* out);
 
+// Whether attention reads integer tiles on their codes (kernels/kv_tiles.hpp,
+// "Attention on codes"; the default) or decodes each tile to f32 first (the
+// path before it, kept to measure one against the other). Process-wide.
+void set_codes_attention(bool on) noexcept;
+bool codes_attention() noexcept;
+
 // Orthonormal rotation of one head: x <- H * diag(signs) * x / sqrt(n), n a
 // power of two; unrotate is its inverse (and transpose). q.k is unchanged when
 // both sides are rotated.

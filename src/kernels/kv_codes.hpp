@@ -1,0 +1,301 @@
+#pragma once
+// Internal: attention on KV codes (qkvshare/kernels/kv_tiles.hpp, "Attention
+// on codes") written once over VecCodes (vec_codes.hpp); each ISA unit
+// instantiates it. Internal linkage, std-free, like kv_tiles.hpp.
+#include <cstddef>
+#include <cstdint>
+
+#include "qkvshare/kernels/kv_tiles.hpp"
+#include "vec_codes.hpp"
+
+namespace qkvshare::kernels::detail {
+namespace {
+
+constexpr int kCodeRowGroup = 8;   // rows whose codes are unpacked together (score side)
+constexpr int kCodeWindow = 32;    // rows per weight rounding window (value side), even
+
+// The tile's per-channel (or per row and group) parameters as f32.
+template <class V>
+void code_params(const TileCodes& t, const std::byte* tile, int n, float* sf, float* mf) {
+  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
+  const auto* mins = scales + t.param_stride;
+  for (int c = 0; c < n; c += 8) V::f16x8(scales + c, sf + c), V::f16x8(mins + c, mf + c);
+}
+
+// Rounds x[0, n) (n a multiple of N, padded with zeros) to int16 codes of
+// |x| max -> qmax; returns the step (0 when every x is 0).
+template <class V, class Out>
+float round_codes(const float* x, int n, int qmax, Out* out) {
+  using F = typename V::F;
+  F mx = V::zero();
+  for (int i = 0; i < n; i += V::N) {
+    const F v = V::loadu(x + i);
+    mx = V::max(mx, V::max(v, V::sub(V::zero(), v)));
+  }
+  const float m = V::hmax(mx);
+  const float inv = m > 0.0f ? static_cast<float>(qmax) / m : 0.0f;
+  const F vi = V::set1(inv);
+  for (int i = 0; i < n; i += V::N) {
+    const typename V::I codes = V::to_int(V::round(V::mul(V::loadu(x + i), vi)));
+    if constexpr (sizeof(Out) == 1) V::narrow8(out + i, codes);
+    else V::narrow16(out + i, codes);
+  }
+  return m / static_cast<float>(qmax);
+}
+
+template <class V>
+void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
+                      void* qc, float* ab) {
+  const int D = t.head_dim;
+  alignas(64) float sf[kTileMaxHeadDim], mf[kTileMaxHeadDim], qs[kTileMaxHeadDim];
+  code_params<V>(t, tile, D, sf, mf);
+  // The centre's share of each value goes with the minimum.
+  const typename V::F centre = V::set1(static_cast<float>(1 << (t.bits - 1)));
+  for (int c = 0; c < D; c += V::N) V::storeu(mf + c, V::fmadd(centre, V::loadu(sf + c), V::loadu(mf + c)));
+  for (int i = 0; i < nq; ++i) {
+    const float* qi = q + static_cast<std::size_t>(i) * D;
+    typename V::F bias = V::zero();
+    for (int c = 0; c < D; c += V::N) {
+      V::storeu(qs + c, V::mul(V::loadu(qi + c), V::loadu(sf + c)));
+      bias = V::fmadd(V::loadu(qi + c), V::loadu(mf + c), bias);
+    }
+    const std::size_t at = static_cast<std::size_t>(i) * D;
+    const float step = t.bits == 4 ? round_codes<V>(qs, D, query_code_max(t.bits, D), static_cast<std::int8_t*>(qc) + at)
+                                   : round_codes<V>(qs, D, query_code_max(t.bits, D), static_cast<std::int16_t*>(qc) + at);
+    ab[2 * i] = score_scale * step;
+    ab[2 * i + 1] = score_scale * V::hsum(bias);
+  }
+}
+
+template <class V, int Bits>
+void tile_code_scores_bits(const TileCodes& t, const std::byte* tile, int lo, int hi, const std::int16_t* qc,
+                           const float* ab, int nq, float* s, std::size_t s_stride) {
+  using I = typename V::I;
+  constexpr int L = 2 * V::N;
+  const int D = t.head_dim;
+  alignas(64) std::int16_t cb[kCodeRowGroup * kTileMaxHeadDim];
+  const typename V::W centre = V::set16(static_cast<std::int16_t>(1 << (Bits - 1)));
+  for (int j0 = lo; j0 < hi; j0 += kCodeRowGroup) {
+    const int nr = hi - j0 < kCodeRowGroup ? hi - j0 : kCodeRowGroup;
+    for (int r = 0; r < kCodeRowGroup; ++r) {
+      const std::byte* row = tile + static_cast<std::size_t>(j0 + r) * t.row_bytes;
+      for (int c = 0; c < D; c += L) V::store16(cb + r * D + c, r < nr ? V::sub16(V::template codes16<Bits>(row, c), centre) : V::zero16());
+    }
+    for (int i = 0; i < nq; ++i) {
+      const std::int16_t* qi = qc + static_cast<std::size_t>(i) * D;
+      I acc[kCodeRowGroup];
+#pragma GCC unroll 8
+      for (int r = 0; r < kCodeRowGroup; ++r) acc[r] = V::zeroi();
+      for (int c = 0; c < D; c += L) {
+        const typename V::W qv = V::load16(qi + c);
+#pragma GCC unroll 8
+        for (int r = 0; r < kCodeRowGroup; ++r) acc[r] = V::dot16(acc[r], V::load16(cb + r * D + c), qv);
+      }
+      alignas(32) std::int32_t sum[kCodeRowGroup];
+      V::hsum8_i(acc, sum);
+      float* si = s + static_cast<std::size_t>(i) * s_stride + j0;
+      for (int r = 0; r < nr; ++r) si[r] = __builtin_fmaf(ab[2 * i], static_cast<float>(sum[r]), ab[2 * i + 1]);
+    }
+  }
+}
+
+template <class V, int Bits>
+void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
+                        int nq, float* o) {
+  using F = typename V::F;
+  using I = typename V::I;
+  using W = typename V::W;
+  constexpr int L = 2 * V::N;
+  constexpr int WP = (kCodeWindow + V::N - 1) / V::N * V::N;  // window, padded to whole vectors
+  const int D = t.head_dim, G = t.group, groups = D / G;
+  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
+  const auto* mins = scales + t.param_stride;
+  alignas(64) float ps[kCodeWindow * kTileMaxHeadDim / 8 + 16], pm[kCodeWindow * kTileMaxHeadDim / 8 + 16];
+  // Pairs of rows (j, j + 1) zipped channel by channel: [pair][D / L][lo, hi][L].
+  alignas(64) std::int16_t zipped[kCodeWindow / 2 * 2 * kTileMaxHeadDim];
+  alignas(64) float sf[WP], mf[WP], pw[WP], w[WP];
+  alignas(64) std::int16_t w16[WP];
+  const W centre = V::set16(static_cast<std::int16_t>(1 << (Bits - 1)));
+  const float fcentre = static_cast<float>(1 << (Bits - 1));
+  for (int j0 = lo & ~1; j0 < hi; j0 += kCodeWindow) {
+    const int j1 = j0 + kCodeWindow < hi ? j0 + kCodeWindow : hi, pairs = (j1 - j0 + 1) / 2;
+    const int padded = (pairs + 3) & ~3;  // pairs past the rows are zero
+    for (int pr = 0; pr < padded; ++pr) {
+      const int ja = j0 + 2 * pr, jb = ja + 1;
+      const std::byte* ra = tile + static_cast<std::size_t>(ja) * t.row_bytes;
+      const std::byte* rb = ra + t.row_bytes;
+      for (int c = 0; c < D; c += L) {
+        const W a = ja >= lo && ja < j1 ? V::sub16(V::template codes16<Bits>(ra, c), centre) : V::zero16();
+        const W b = jb < j1 ? V::sub16(V::template codes16<Bits>(rb, c), centre) : V::zero16();
+        W zl, zh;
+        V::zip16(a, b, zl, zh);
+        std::int16_t* z = zipped + (static_cast<std::size_t>(pr) * 2 * D + 2 * c);
+        V::store16(z, zl), V::store16(z + L, zh);
+      }
+    }
+    // The window's (scale, min) pairs in f32, 8 at a time from an index
+    // multiple of 8 (the arrays are padded to 8).
+    const int p0 = (j0 * groups) & ~7, p1 = (j1 * groups + 7) & ~7;
+    for (int i = p0; i < p1; i += 8) V::f16x8(scales + i, ps + (i - p0)), V::f16x8(mins + i, pm + (i - p0));
+    const int kmin = lo > j0 ? lo - j0 : 0, kmax = j1 - j0;
+    const bool full = kmin == 0 && kmax == WP;
+    for (int g = 0; g < groups; ++g) {
+      for (int k = 0; k < WP; ++k) {
+        const int pj = (j0 + k) * groups + g - p0;
+        const bool in = k >= kmin && k < kmax;
+        sf[k] = in ? ps[pj] : 0.0f;
+        mf[k] = in ? __builtin_fmaf(fcentre, ps[pj], pm[pj]) : 0.0f;
+      }
+      for (int i = 0; i < nq; ++i) {
+        const float* pi = p + static_cast<std::size_t>(i) * p_stride;
+        const float* pv = pi + j0;  // the window's weights, zero outside [lo, hi)
+        if (!full) {
+          for (int k = 0; k < WP; ++k) pw[k] = k >= kmin && k < kmax ? pi[j0 + k] : 0.0f;
+          pv = pw;
+        }
+        F bias = V::zero();
+        for (int k = 0; k < WP; k += V::N) {
+          V::storeu(w + k, V::mul(V::loadu(pv + k), V::loadu(sf + k)));
+          bias = V::fmadd(V::loadu(pv + k), V::loadu(mf + k), bias);
+        }
+        const float step = round_codes<V>(w, WP, code_weight_max(kCodeWindow), w16);
+        const F vstep = V::set1(step), vbias = V::set1(V::hsum(bias));
+        float* oi = o + static_cast<std::size_t>(i) * D;
+        for (int c = g * G; c < (g + 1) * G; c += L) {
+          // Four pairs at a time into their own sums: the dot products'
+          // latency, not their throughput, would bound one chain.
+          I al[4], ah[4];
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) al[u] = V::zeroi(), ah[u] = V::zeroi();
+          for (int pr = 0; pr < padded; pr += 4) {
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; ++u) {
+              const W wv = V::pair16(w16 + 2 * (pr + u));
+              const std::int16_t* z = zipped + (static_cast<std::size_t>(pr + u) * 2 * D + 2 * c);
+              al[u] = V::dot16(al[u], V::load16(z), wv);
+              ah[u] = V::dot16(ah[u], V::load16(z + L), wv);
+            }
+          }
+          I first, second;
+          V::unzip32(V::addi(V::addi(al[0], al[1]), V::addi(al[2], al[3])),
+                     V::addi(V::addi(ah[0], ah[1]), V::addi(ah[2], ah[3])), first, second);
+          V::storeu(oi + c, V::add(V::loadu(oi + c), V::fmadd(vstep, V::to_float(first), vbias)));
+          V::storeu(oi + c + V::N, V::add(V::loadu(oi + c + V::N), V::fmadd(vstep, V::to_float(second), vbias)));
+        }
+      }
+    }
+  }
+}
+
+// 4-bit keys on bytes: rows in groups of 4 kRows8, row j0 + 4L + k in lane L
+// of register k, so that one reduce4 gives the group's scores in row order.
+template <class V>
+void tile_code_scores_q4(const TileCodes& t, const std::byte* tile, int lo, int hi, const std::int8_t* qc,
+                         const float* ab, int nq, float* s, std::size_t s_stride) {
+  using I = typename V::I;
+  using W8 = typename V::W8;
+  constexpr int R = V::kRows8, GR = 4 * R, CH = 4 * V::N;  // rows per group, channels per register
+  const int D = t.head_dim, chunks = D / 16;
+  // The group's codes: [k][16-channel chunk][R lanes of 16 bytes].
+  alignas(64) std::int8_t cb[4 * kTileMaxHeadDim * R];
+  alignas(64) std::byte pad[GR * kTileMaxHeadDim / 2 + 64];  // a last group's rows, zero past hi
+  for (int j0 = lo; j0 < hi; j0 += GR) {
+    const int nr = hi - j0 < GR ? hi - j0 : GR;
+    const std::byte* rows = tile + static_cast<std::size_t>(j0) * t.row_bytes;
+    if (nr < GR) {
+      __builtin_memset(pad, 0x88, sizeof pad);  // code 8: centred 0
+      __builtin_memcpy(pad, rows, static_cast<std::size_t>(nr) * t.row_bytes);
+      rows = pad;
+    }
+    for (int k = 0; k < 4; ++k)
+      for (int c = 0; c < D; c += CH) {
+        W8 r[R];
+#pragma GCC unroll 4
+        for (int L = 0; L < R; ++L) r[L] = V::row4(rows + static_cast<std::size_t>(4 * L + k) * t.row_bytes, c);
+        V::transpose8(r);
+#pragma GCC unroll 4
+        for (int L = 0; L < R; ++L)
+          __builtin_memcpy(cb + (static_cast<std::size_t>(k) * chunks + c / 16 + L) * 16 * R, &r[L], sizeof(W8));
+      }
+    const auto codes_at = [&](int k, int ch) {
+      W8 v;
+      __builtin_memcpy(&v, cb + (static_cast<std::size_t>(k) * chunks + ch) * 16 * R, sizeof(W8));
+      return v;
+    };
+    I offset = V::zeroi();
+    if constexpr (V::kOffset8) {  // 128 * the rows' sums of centred codes
+      I a[4] = {V::zeroi(), V::zeroi(), V::zeroi(), V::zeroi()};
+      for (int ch = 0; ch < chunks; ++ch)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) a[k] = V::dot8(a[k], V::ones8(), codes_at(k, ch));
+      offset = V::reduce4(a[0], a[1], a[2], a[3]);
+      for (int b = 0; b < 7; ++b) offset = V::addi(offset, offset);
+    }
+    for (int i = 0; i < nq; ++i) {
+      const std::int8_t* qi = qc + static_cast<std::size_t>(i) * D;
+      I a[4] = {V::zeroi(), V::zeroi(), V::zeroi(), V::zeroi()};
+      for (int ch = 0; ch < chunks; ++ch) {
+        const W8 qv = V::q8(qi + 16 * ch);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) a[k] = V::dot8(a[k], qv, codes_at(k, ch));
+      }
+      const I sum = V::isub(V::reduce4(a[0], a[1], a[2], a[3]), offset);
+      const typename V::F score = V::fmadd(V::set1(ab[2 * i]), V::to_float(sum), V::set1(ab[2 * i + 1]));
+      float* si = s + static_cast<std::size_t>(i) * s_stride + j0;
+      if (nr == GR) {
+        V::storeu(si, score);
+      } else {
+        alignas(64) float out[GR];
+        V::storeu(out, score);
+        for (int r = 0; r < nr; ++r) si[r] = out[r];
+      }
+    }
+  }
+}
+
+template <class V>
+void tile_code_scores(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc, const float* ab,
+                      int nq, float* s, std::size_t s_stride) {
+  const auto* q16 = static_cast<const std::int16_t*>(qc);
+  // A head narrower than the level's byte register: the reference does it.
+  if (t.bits == 4 && t.head_dim % (4 * V::N) != 0) return code_scores_ref(t, tile, lo, hi, qc, ab, nq, s, s_stride);
+  switch (t.bits) {
+    case 8: return tile_code_scores_bits<V, 8>(t, tile, lo, hi, q16, ab, nq, s, s_stride);
+    case 4: return tile_code_scores_q4<V>(t, tile, lo, hi, static_cast<const std::int8_t*>(qc), ab, nq, s, s_stride);
+    case 3: return tile_code_scores_bits<V, 3>(t, tile, lo, hi, q16, ab, nq, s, s_stride);
+    case 2: return tile_code_scores_bits<V, 2>(t, tile, lo, hi, q16, ab, nq, s, s_stride);
+    default: return;  // codes_keys_ok excludes the rest
+  }
+}
+
+template <class V>
+void tile_code_sum(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
+                   int nq, float* o) {
+  switch (t.bits) {
+    case 8: return tile_code_sum_bits<V, 8>(t, tile, lo, hi, p, p_stride, nq, o);
+    case 4: return tile_code_sum_bits<V, 4>(t, tile, lo, hi, p, p_stride, nq, o);
+    case 3: return tile_code_sum_bits<V, 3>(t, tile, lo, hi, p, p_stride, nq, o);
+    case 2: return tile_code_sum_bits<V, 2>(t, tile, lo, hi, p, p_stride, nq, o);
+    default: return;  // codes_values_ok excludes the rest
+  }
+}
+
+}  // namespace
+}  // namespace qkvshare::kernels::detail
+
+// The level's entry points (kernel_table.hpp) over its own VecCodes, for a
+// level whose 2N lanes divide every head and group the caller allows (AVX2:
+// 16, NEON: 8); AVX-512 writes its own to hand narrower ones to AVX2.
+#define QKVSHARE_DEFINE_CODE_KERNELS                                                                              \
+  void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,      \
+                        void* qc, float* ab) {                                                                    \
+    detail::tile_query_codes<VecCodes>(t, tile, q, nq, score_scale, qc, ab);                                      \
+  }                                                                                                               \
+  void tile_code_scores(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc,                 \
+                        const float* ab, int nq, float* s, std::size_t s_stride) {                                \
+    detail::tile_code_scores<VecCodes>(t, tile, lo, hi, qc, ab, nq, s, s_stride);                                 \
+  }                                                                                                               \
+  void tile_code_sum(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p,                    \
+                     std::size_t p_stride, int nq, float* o) {                                                    \
+    detail::tile_code_sum<VecCodes>(t, tile, lo, hi, p, p_stride, nq, o);                                         \
+  }
