@@ -12,7 +12,6 @@ namespace qkvshare::kernels::detail {
 namespace {
 
 constexpr int kCodeRowGroup = 8;   // rows whose codes are unpacked together (score side)
-constexpr int kCodeWindow = 32;    // rows per weight rounding window (value side), even
 
 // The tile's per-channel (or per row and group) parameters as f32.
 template <class V>
@@ -37,8 +36,8 @@ float round_codes(const float* x, int n, int qmax, Out* out) {
   const F vi = V::set1(inv);
   for (int i = 0; i < n; i += V::N) {
     const typename V::I codes = V::to_int(V::round(V::mul(V::loadu(x + i), vi)));
-    if constexpr (sizeof(Out) == 1) V::narrow8(out + i, codes);
-    else V::narrow16(out + i, codes);
+    if constexpr (sizeof(Out) == 2) V::narrow16(out + i, codes);
+    else V::narrow8(out + i, codes);
   }
   return m / static_cast<float>(qmax);
 }
@@ -117,7 +116,7 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
   alignas(64) std::int16_t w16[WP];
   const W centre = V::set16(static_cast<std::int16_t>(1 << (Bits - 1)));
   const float fcentre = static_cast<float>(1 << (Bits - 1));
-  for (int j0 = lo & ~1; j0 < hi; j0 += kCodeWindow) {
+  for (int j0 = lo & ~3; j0 < hi; j0 += kCodeWindow) {
     const int j1 = j0 + kCodeWindow < hi ? j0 + kCodeWindow : hi, pairs = (j1 - j0 + 1) / 2;
     const int padded = (pairs + 3) & ~3;  // pairs past the rows are zero
     for (int pr = 0; pr < padded; ++pr) {

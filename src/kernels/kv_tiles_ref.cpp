@@ -96,8 +96,6 @@ int query_code(const TileCodes& t, const void* qc, std::size_t at) {
   return t.bits == 4 ? static_cast<const std::int8_t*>(qc)[at] : static_cast<const std::int16_t*>(qc)[at];
 }
 
-constexpr int kCodeWindow = 32;  // as kv_codes.hpp: the rounding depends on it
-
 float centre_of(int bits) { return static_cast<float>(1 << (bits - 1)); }
 
 }  // namespace
@@ -163,7 +161,7 @@ void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, con
   std::vector<std::int16_t> w16(kCodeWindow);
   if (hi <= lo) return;
   const std::vector<int> codes = centred_codes(t, tile, lo, hi);
-  for (int j0 = lo & ~1; j0 < hi; j0 += kCodeWindow) {
+  for (int j0 = lo & ~3; j0 < hi; j0 += kCodeWindow) {
     const int j1 = std::min(j0 + kCodeWindow, hi), ja = std::max(j0, lo);
     for (int i = 0; i < nq; ++i)
       for (int g = 0; g < groups; ++g) {

@@ -183,7 +183,7 @@ TEST(KvSplice, SegmentAttentionEqualsFreshComputationAtNewPositions) {
             const auto want = write_pass(fresh, own, first, n, size0, rope, threads);
             const auto ref = reference(consumer, queries, size0, n, offset_of, rope);
             // The segment math against a double computation over the same stored rows.
-            ASSERT_LE(max_abs_diff(got, ref), testing::attention_tolerance()) << what << " n=" << n << " codes " << codes;
+            ASSERT_LE(max_abs_diff(got, ref), testing::attention_tolerance(f)) << what << " n=" << n << " codes " << codes;
             // f32 rows are the fresh ones: only float rounding of the rotations apart.
             if (f.k.type == KvType::f32 && f.v.type == KvType::f32) {
               ASSERT_LE(max_abs_diff(got, want), 2e-5f) << what << " n=" << n;
@@ -226,7 +226,7 @@ TEST(KvSplice, ChainsTailsAndReleasesEveryBlock) {
     // [33, 45) <- tail tokens at positions 24.. at +9.
     const auto offset_of = [](int i) { return i < 5 ? 0 : i < 10 ? 3 : i < 27 ? 0 : i < 33 ? 3 : i < 45 ? 9 : 0; };
     const auto ref = reference(r, queries, size0, 3, offset_of, rope);
-    EXPECT_LE(max_abs_diff(got, ref), testing::attention_tolerance());
+    EXPECT_LE(max_abs_diff(got, ref), testing::attention_tolerance(f));
     EXPECT_GT(pool->counters().blocks_used, 0u);
   }
   EXPECT_EQ(pool->counters().blocks_used, 0u);

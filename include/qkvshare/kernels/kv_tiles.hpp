@@ -63,6 +63,10 @@ inline constexpr int code_weight_max(int n_terms) noexcept { return n_terms <= 5
 inline constexpr int query_code_max(int bits, int head_dim) noexcept {
   return bits == 4 ? 127 : code_weight_max(head_dim);
 }
+// Value weights are rounded to 16 bits per window of kCodeWindow rows, from
+// a multiple of 4 (measured: bytes over 4-bit values were no faster here,
+// the per-query rounding dominates a 32-row tile).
+inline constexpr int kCodeWindow = 32;
 
 // q [nq][head_dim] -> qc [nq][head_dim] (int8 for 4-bit keys, else int16:
 // query_code_max) and ab [nq][2] such that
