@@ -94,6 +94,15 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
   const int last_block = std::min(b1, in.causal ? (in.first_pos + t1 - 1) / T + 1 : (total + T - 1) / T);
   // Rows of block 0 before key_lo belong to another segment: never read.
   const auto lo_of = [&](int b) { return b == 0 ? in.key_lo : 0; };
+  // Rows of block b that query i sees (may be <= lo), and that any query sees.
+  const auto lim_of = [&](int b, int i) {
+    return std::min(std::min(T, total - b * T), visible[static_cast<std::size_t>(i)] - (b - b0) * T);
+  };
+  const auto hi_of = [&](int b) {
+    int hi = lo_of(b);
+    for (int i = 0; i < nq; ++i) hi = std::max(hi, lim_of(b, i));
+    return hi;
+  };
   const bool on_codes = codes_attention();
   for (int b = b0; b < last_block; ++b) {
     const int rows = std::min(T, total - b * T), lo = lo_of(b);
@@ -101,11 +110,9 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const TileLayout l = tile_layout(in.k_codecs[b], T, D);
     const kernels::TileCodes kc = tile_codes(in.k_codecs[b], l);
     if (b + 1 < last_block) prefetch_tile(in.k_tiles[ti + s.n_kv_heads], tile_layout(in.k_codecs[b + 1], T, D).bytes);
-    const auto lim_of = [&](int i) { return std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T); };
     if (on_codes && kernels::codes_keys_ok(kc)) {
       // Scores straight from the codes, for the rows any query sees.
-      int hi = lo;
-      for (int i = 0; i < nq; ++i) hi = std::max(hi, lim_of(i));
+      const int hi = hi_of(b);
       if (hi <= lo) continue;
       qcodes.resize(static_cast<std::size_t>(nq) * D);
       qab.resize(2 * static_cast<std::size_t>(nq));
@@ -115,7 +122,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       for (int i = 0; i < nq; ++i) {
         const float* si = s0 + static_cast<std::size_t>(i) * keys;
         float& m = ml[static_cast<std::size_t>(i)].m;
-        for (int j = lo; j < lim_of(i); ++j) m = std::max(m, si[j]);
+        for (int j = lo; j < lim_of(b, i); ++j) m = std::max(m, si[j]);
       }
       continue;
     }
@@ -125,7 +132,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       k = tile.data();
     }
     for (int i = 0; i < nq; ++i) {
-      const int lim = lim_of(i);
+      const int lim = lim_of(b, i);
       float* sc = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       const float* qi = &qbuf[static_cast<std::size_t>(i) * D];
       if (lim > lo)
@@ -145,16 +152,14 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const TileLayout l = tile_layout(in.v_codecs[b], T, D);
     const kernels::TileCodes vc = tile_codes(in.v_codecs[b], l);
     if (b + 1 < last_block) prefetch_tile(in.v_tiles[ti + s.n_kv_heads], tile_layout(in.v_codecs[b + 1], T, D).bytes);
-    const auto lim_of = [&](int i) { return std::min(rows, visible[static_cast<std::size_t>(i)] - (b - b0) * T); };
     if (on_codes && kernels::codes_values_ok(vc)) {
       // One call for all queries; rows a query does not see weigh 0.
-      int hi = lo;
-      for (int i = 0; i < nq; ++i) hi = std::max(hi, lim_of(i));
+      const int hi = hi_of(b);
       if (hi <= lo) continue;
       float* p0 = &scores[static_cast<std::size_t>(b - b0) * T];
       for (int i = 0; i < nq; ++i) {
         float* pi = p0 + static_cast<std::size_t>(i) * keys;
-        for (int j = std::max(lo, lim_of(i)); j < hi; ++j) pi[j] = 0.0f;
+        for (int j = std::max(lo, lim_of(b, i)); j < hi; ++j) pi[j] = 0.0f;
       }
       ops.code_sum(vc, in.v_tiles[ti], lo, hi, p0, static_cast<std::size_t>(keys), nq, obuf.data());
       continue;
@@ -165,7 +170,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       v = tile.data();
     }
     for (int i = 0; i < nq; ++i) {
-      const int lim = lim_of(i);
+      const int lim = lim_of(b, i);
       const float* p = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       float* o = &obuf[static_cast<std::size_t>(i) * D];
       if (lim > lo) ops.weighted_sum(o, p + lo, v + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D);
