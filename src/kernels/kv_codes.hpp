@@ -21,25 +21,30 @@ void code_params(const TileCodes& t, const std::byte* tile, int n, float* sf, fl
   for (int c = 0; c < n; c += 8) V::f16x8(scales + c, sf + c), V::f16x8(mins + c, mf + c);
 }
 
-// Rounds x[0, n) (n a multiple of N, padded with zeros) to int16 codes of
-// |x| max -> qmax; returns the step (0 when every x is 0).
+// Rounds x[0, n) (n a multiple of N, padded with zeros), whose largest |x|
+// is m, to codes of |x| max -> qmax; returns the step (0 when every x is 0).
 template <class V, class Out>
-float round_codes(const float* x, int n, int qmax, Out* out) {
-  using F = typename V::F;
-  F mx = V::zero();
-  for (int i = 0; i < n; i += V::N) {
-    const F v = V::loadu(x + i);
-    mx = V::max(mx, V::max(v, V::sub(V::zero(), v)));
-  }
-  const float m = V::hmax(mx);
+float round_codes_to(const float* x, int n, float m, int qmax, Out* out) {
   const float inv = m > 0.0f ? static_cast<float>(qmax) / m : 0.0f;
-  const F vi = V::set1(inv);
+  const typename V::F vi = V::set1(inv);
   for (int i = 0; i < n; i += V::N) {
     const typename V::I codes = V::to_int(V::round(V::mul(V::loadu(x + i), vi)));
     if constexpr (sizeof(Out) == 2) V::narrow16(out + i, codes);
     else V::narrow8(out + i, codes);
   }
   return m / static_cast<float>(qmax);
+}
+
+template <class V>
+typename V::F abs_max(typename V::F m, typename V::F v) {
+  return V::max(m, V::max(v, V::sub(V::zero(), v)));
+}
+
+template <class V, class Out>
+float round_codes(const float* x, int n, int qmax, Out* out) {
+  typename V::F mx = V::zero();
+  for (int i = 0; i < n; i += V::N) mx = abs_max<V>(mx, V::loadu(x + i));
+  return round_codes_to<V>(x, n, V::hmax(mx), qmax, out);
 }
 
 template <class V>
@@ -53,14 +58,18 @@ void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q,
   for (int c = 0; c < D; c += V::N) V::storeu(mf + c, V::fmadd(centre, V::loadu(sf + c), V::loadu(mf + c)));
   for (int i = 0; i < nq; ++i) {
     const float* qi = q + static_cast<std::size_t>(i) * D;
-    typename V::F bias = V::zero();
+    typename V::F bias = V::zero(), mx = V::zero();
     for (int c = 0; c < D; c += V::N) {
-      V::storeu(qs + c, V::mul(V::loadu(qi + c), V::loadu(sf + c)));
+      const typename V::F v = V::mul(V::loadu(qi + c), V::loadu(sf + c));
+      V::storeu(qs + c, v);
+      mx = abs_max<V>(mx, v);
       bias = V::fmadd(V::loadu(qi + c), V::loadu(mf + c), bias);
     }
     const std::size_t at = static_cast<std::size_t>(i) * D;
-    const float step = t.bits == 4 ? round_codes<V>(qs, D, query_code_max(t.bits, D), static_cast<std::int8_t*>(qc) + at)
-                                   : round_codes<V>(qs, D, query_code_max(t.bits, D), static_cast<std::int16_t*>(qc) + at);
+    const float m = V::hmax(mx);
+    const int qmax = query_code_max(t.bits, D);
+    const float step = t.bits == 4 ? round_codes_to<V>(qs, D, m, qmax, static_cast<std::int8_t*>(qc) + at)
+                                   : round_codes_to<V>(qs, D, m, qmax, static_cast<std::int16_t*>(qc) + at);
     ab[2 * i] = score_scale * step;
     ab[2 * i + 1] = score_scale * V::hsum(bias);
   }
@@ -139,12 +148,19 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
     const int kmin = lo > j0 ? lo - j0 : 0, kmax = j1 - j0;
     const bool full = kmin == 0 && kmax == WP;
     for (int g = 0; g < groups; ++g) {
-      for (int k = 0; k < WP; ++k) {
-        const int pj = (j0 + k) * groups + g - p0;
-        const bool in = k >= kmin && k < kmax;
-        sf[k] = in ? ps[pj] : 0.0f;
-        mf[k] = in ? __builtin_fmaf(fcentre, ps[pj], pm[pj]) : 0.0f;
+      // [row][group] -> this group's rows, zero outside [lo, hi); the centre's share goes with the minimum.
+      const float* psg = ps + (j0 * groups + g - p0);
+      const float* pmg = pm + (j0 * groups + g - p0);
+      if (full) {
+        for (int k = 0; k < WP; ++k) sf[k] = psg[k * groups], mf[k] = pmg[k * groups];
+      } else {
+        for (int k = 0; k < WP; ++k) {
+          const bool in = k >= kmin && k < kmax;
+          sf[k] = in ? psg[k * groups] : 0.0f;
+          mf[k] = in ? pmg[k * groups] : 0.0f;
+        }
       }
+      for (int k = 0; k < WP; k += V::N) V::storeu(mf + k, V::fmadd(V::set1(fcentre), V::loadu(sf + k), V::loadu(mf + k)));
       for (int i = 0; i < nq; ++i) {
         const float* pi = p + static_cast<std::size_t>(i) * p_stride;
         const float* pv = pi + j0;  // the window's weights, zero outside [lo, hi)
