@@ -25,7 +25,6 @@ float tile_exp_sum(float* x, int n, float max) { return detail::tile_exp_sum<Vec
 // for 4-bit keys (4 x 16 bytes).
 void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
                       void* qc, float* ab) {
-  if (t.head_dim % Vec::N != 0) return avx2::tile_query_codes(t, tile, q, nq, score_scale, qc, ab);
   detail::tile_query_codes<VecCodes>(t, tile, q, nq, score_scale, qc, ab);
 }
 void tile_code_scores(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc, const float* ab,

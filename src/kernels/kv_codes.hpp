@@ -13,10 +13,11 @@ namespace {
 
 constexpr int kCodeRowGroup = 8;   // rows whose codes are unpacked together (score side)
 
-// The tile's per-channel (or per row and group) parameters as f32.
+// The tile's (scale, min) pairs [first, first + n) as f32, 8 at a time (the
+// arrays are padded to 8; first a multiple of 8).
 template <class V>
-void code_params(const TileCodes& t, const std::byte* tile, int n, float* sf, float* mf) {
-  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
+void code_params(const TileCodes& t, const std::byte* tile, int first, int n, float* sf, float* mf) {
+  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset) + first;
   const auto* mins = scales + t.param_stride;
   for (int c = 0; c < n; c += 8) V::f16x8(scales + c, sf + c), V::f16x8(mins + c, mf + c);
 }
@@ -40,19 +41,12 @@ typename V::F abs_max(typename V::F m, typename V::F v) {
   return V::max(m, V::max(v, V::sub(V::zero(), v)));
 }
 
-template <class V, class Out>
-float round_codes(const float* x, int n, int qmax, Out* out) {
-  typename V::F mx = V::zero();
-  for (int i = 0; i < n; i += V::N) mx = abs_max<V>(mx, V::loadu(x + i));
-  return round_codes_to<V>(x, n, V::hmax(mx), qmax, out);
-}
-
 template <class V>
 void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
                       void* qc, float* ab) {
   const int D = t.head_dim;
   alignas(64) float sf[kTileMaxHeadDim], mf[kTileMaxHeadDim], qs[kTileMaxHeadDim];
-  code_params<V>(t, tile, D, sf, mf);
+  code_params<V>(t, tile, 0, D, sf, mf);
   // The centre's share of each value goes with the minimum.
   const typename V::F centre = V::set1(static_cast<float>(1 << (t.bits - 1)));
   for (int c = 0; c < D; c += V::N) V::storeu(mf + c, V::fmadd(centre, V::loadu(sf + c), V::loadu(mf + c)));
@@ -114,15 +108,13 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
   using I = typename V::I;
   using W = typename V::W;
   constexpr int L = 2 * V::N;
-  constexpr int WP = (kCodeWindow + V::N - 1) / V::N * V::N;  // window, padded to whole vectors
+  static_assert(kCodeWindow % V::N == 0, "a window is whole vectors");
   const int D = t.head_dim, G = t.group, groups = D / G;
-  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
-  const auto* mins = scales + t.param_stride;
   alignas(64) float ps[kCodeWindow * kTileMaxHeadDim / 8 + 16], pm[kCodeWindow * kTileMaxHeadDim / 8 + 16];
   // Pairs of rows (j, j + 1) zipped channel by channel: [pair][D / L][lo, hi][L].
   alignas(64) std::int16_t zipped[kCodeWindow / 2 * 2 * kTileMaxHeadDim];
-  alignas(64) float sf[WP], mf[WP], pw[WP], w[WP];
-  alignas(64) std::int16_t w16[WP];
+  alignas(64) float sf[kCodeWindow], mf[kCodeWindow], pw[kCodeWindow], w[kCodeWindow];
+  alignas(64) std::int16_t w16[kCodeWindow];
   const W centre = V::set16(static_cast<std::int16_t>(1 << (Bits - 1)));
   const float fcentre = static_cast<float>(1 << (Bits - 1));
   for (int j0 = lo & ~3; j0 < hi; j0 += kCodeWindow) {
@@ -141,39 +133,40 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
         V::store16(z, zl), V::store16(z + L, zh);
       }
     }
-    // The window's (scale, min) pairs in f32, 8 at a time from an index
-    // multiple of 8 (the arrays are padded to 8).
+    // The window's (scale, min) pairs, from the multiple of 8 before its first.
     const int p0 = (j0 * groups) & ~7, p1 = (j1 * groups + 7) & ~7;
-    for (int i = p0; i < p1; i += 8) V::f16x8(scales + i, ps + (i - p0)), V::f16x8(mins + i, pm + (i - p0));
+    code_params<V>(t, tile, p0, p1 - p0, ps, pm);
     const int kmin = lo > j0 ? lo - j0 : 0, kmax = j1 - j0;
-    const bool full = kmin == 0 && kmax == WP;
+    const bool full = kmin == 0 && kmax == kCodeWindow;
     for (int g = 0; g < groups; ++g) {
       // [row][group] -> this group's rows, zero outside [lo, hi); the centre's share goes with the minimum.
       const float* psg = ps + (j0 * groups + g - p0);
       const float* pmg = pm + (j0 * groups + g - p0);
       if (full) {
-        for (int k = 0; k < WP; ++k) sf[k] = psg[k * groups], mf[k] = pmg[k * groups];
+        for (int k = 0; k < kCodeWindow; ++k) sf[k] = psg[k * groups], mf[k] = pmg[k * groups];
       } else {
-        for (int k = 0; k < WP; ++k) {
+        for (int k = 0; k < kCodeWindow; ++k) {
           const bool in = k >= kmin && k < kmax;
           sf[k] = in ? psg[k * groups] : 0.0f;
           mf[k] = in ? pmg[k * groups] : 0.0f;
         }
       }
-      for (int k = 0; k < WP; k += V::N) V::storeu(mf + k, V::fmadd(V::set1(fcentre), V::loadu(sf + k), V::loadu(mf + k)));
+      for (int k = 0; k < kCodeWindow; k += V::N) V::storeu(mf + k, V::fmadd(V::set1(fcentre), V::loadu(sf + k), V::loadu(mf + k)));
       for (int i = 0; i < nq; ++i) {
         const float* pi = p + static_cast<std::size_t>(i) * p_stride;
         const float* pv = pi + j0;  // the window's weights, zero outside [lo, hi)
         if (!full) {
-          for (int k = 0; k < WP; ++k) pw[k] = k >= kmin && k < kmax ? pi[j0 + k] : 0.0f;
+          for (int k = 0; k < kCodeWindow; ++k) pw[k] = k >= kmin && k < kmax ? pi[j0 + k] : 0.0f;
           pv = pw;
         }
-        F bias = V::zero();
-        for (int k = 0; k < WP; k += V::N) {
-          V::storeu(w + k, V::mul(V::loadu(pv + k), V::loadu(sf + k)));
+        F bias = V::zero(), mx = V::zero();
+        for (int k = 0; k < kCodeWindow; k += V::N) {
+          const F wk = V::mul(V::loadu(pv + k), V::loadu(sf + k));
+          V::storeu(w + k, wk);
+          mx = abs_max<V>(mx, wk);
           bias = V::fmadd(V::loadu(pv + k), V::loadu(mf + k), bias);
         }
-        const float step = round_codes<V>(w, WP, code_weight_max(kCodeWindow), w16);
+        const float step = round_codes_to<V>(w, kCodeWindow, V::hmax(mx), code_weight_max(kCodeWindow), w16);
         const F vstep = V::set1(step), vbias = V::set1(V::hsum(bias));
         float* oi = o + static_cast<std::size_t>(i) * D;
         for (int c = g * G; c < (g + 1) * G; c += L) {
