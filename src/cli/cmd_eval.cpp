@@ -23,6 +23,8 @@ struct EvalArgs {
   int ctx = 512;
   long max_tokens = 0;
   std::string score = "half";
+  std::string protocol = "prefill";
+  int chunk = 64;
   int block = 32;
   int decode = 0;
   bool speed_only = false;
@@ -64,7 +66,7 @@ void print_table(const EvalReport& r, bool decode) {
       std::printf("%-28s %8.2f %9s %10s %8s %9s %9s %7s %9s", f.format.c_str(), f.bits_per_element, "-", "-", "-", "-",
                   "-", "-", "-");
     } else {
-      std::printf("%-28s %8.2f %9.0f %10.4f %+8.3f %9.5f %9.5f %6.2f%% %9.1f", f.format.c_str(), f.bits_per_element,
+      std::printf("%-28s %8.2f %9.0f %10.4f %+8.3f %9.6f %9.6f %6.2f%% %9.1f", f.format.c_str(), f.bits_per_element,
                   f.kv_bytes_per_token, f.ppl, f.ppl_delta_pct, f.mean_kl, f.p99_kl, f.top1 * 100.0,
                   f.prefill_tokens_per_s);
     }
@@ -83,6 +85,10 @@ nlohmann::json to_json(const EvalArgs& a, const EvalReport& r) {
   j["scored_per_format"] = r.scored;
   j["text_tokens"] = r.text_tokens;
   j["scored_positions"] = r.score_all ? "all" : "second half of each window";
+  j["protocol"] = a.protocol;
+  if (a.protocol == "handoff") j["consumer_chunk"] = a.chunk;
+  j["activations"] = a.model.float_activations ? "f32" : a.model.exact_matmul ? "f32 (reference dots)" : "8-bit";
+  j["pass_precision"] = a.model.kv_stored_in_pass ? "stored" : "full";
   j["formats"] = nlohmann::json::array();
   for (const EvalFormatResult& f : r.results)
     j["formats"].push_back({{"format", f.format},
@@ -103,6 +109,8 @@ nlohmann::json to_json(const EvalArgs& a, const EvalReport& r) {
 void run_eval(const EvalArgs& a) {
   if (a.score != "half" && a.score != "all")
     fail(ErrorCode::invalid_argument, "--score must be half or all, got '{}'", a.score);
+  if (a.protocol != "prefill" && a.protocol != "handoff")
+    fail(ErrorCode::invalid_argument, "--protocol must be prefill or handoff, got '{}'", a.protocol);
   const std::vector<KvFormat> formats = parse_formats(a.kv);  // bad formats fail before the model loads
   const std::string text = read_text(a.text_path);
   auto model = load_model(a.model);
@@ -115,6 +123,8 @@ void run_eval(const EvalArgs& a) {
   o.max_scored = a.speed_only ? -1 : a.max_tokens;
   o.score_all = a.score == "all";
   o.block_tokens = a.block;
+  o.protocol = a.protocol == "handoff" ? EvalProtocol::handoff : EvalProtocol::prefill;
+  o.chunk = a.chunk;
   o.decode_tokens = a.decode;
   const bool tty = isatty(fileno(stderr)) != 0;
   o.progress = [tty](const std::string& line) {
@@ -123,8 +133,13 @@ void run_eval(const EvalArgs& a) {
   };
   const EvalReport r = evaluate_kv(engine, tokens, formats, o);
   if (tty) std::fputc('\n', stderr);
-  std::printf("%s | %s | ctx %d | %ld windows | %ld tokens scored per format (%s)\n", a.model.model_path.c_str(),
-              a.text_path.c_str(), r.ctx, r.windows, r.scored, r.score_all ? "all positions" : "second half of each window");
+  const std::string protocol =
+      a.protocol == "handoff" ? fmt::format("handoff, consumer chunks of {}", a.chunk) : std::string("prefill");
+  std::printf("%s | %s | ctx %d | %ld windows | %ld tokens scored per format (%s) | protocol %s | %s activations%s\n",
+              a.model.model_path.c_str(), a.text_path.c_str(), r.ctx, r.windows, r.scored,
+              r.score_all ? "all positions" : "second half of each window", protocol.c_str(),
+              a.model.float_activations || a.model.exact_matmul ? "f32" : "8-bit",
+              a.model.kv_stored_in_pass ? " | passes read their own tokens as stored" : "");
   print_table(r, a.decode > 0);
   if (!a.json_path.empty()) {
     std::ofstream out(a.json_path);
@@ -147,6 +162,11 @@ void register_eval(CLI::App& app) {
   cmd->add_option("--max-tokens", args->max_tokens, "Stop after about this many scored tokens (whole windows; 0: all)")
       ->check(CLI::Range(0L, 1L << 40));
   cmd->add_option("--score", args->score, "Positions scored per window: half (the second half, as llama.cpp) or all");
+  cmd->add_option("--protocol", args->protocol,
+                  "prefill: one session runs each window; handoff: a producer prefills the first half and seals it, "
+                  "a consumer continues it in --chunk passes and is scored on the second half");
+  cmd->add_option("--chunk", args->chunk, "Consumer tokens per forward pass (--protocol handoff)")
+      ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--block", args->block, "KV block size in tokens (power of two)")->check(CLI::Range(1, 4096));
   cmd->add_option("--decode", args->decode, "Also time this many decode steps ending at depth --ctx, per format")
       ->check(CLI::Range(0, 1 << 20));

@@ -6,6 +6,7 @@
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
+#include "qkvshare/kv/pooled_kv_cache.hpp"
 
 namespace qkvshare::cli {
 
@@ -15,17 +16,27 @@ void add_model_args(CLI::App& cmd, ModelArgs& args) {
   cmd.add_option("--threads", args.threads, "Worker threads (0: all cores)")->check(CLI::Range(0, 1024));
   cmd.add_flag("--exact-matmul", args.exact_matmul,
                "Float activations in every matmul (scalar reference dots): slow, for checks against float references");
+  cmd.add_flag("--float-activations", args.float_activations,
+               "Float activations on the SIMD kernels (weights dequantized to f32 once, 4 bytes per weight): no 8-bit "
+               "activation rounding, for quality measurements below its noise");
   cmd.add_flag("--kv-decode-tiles", args.kv_decode_tiles,
                "Attention decodes each integer KV tile to f32 before reading it, instead of computing on its codes "
                "(the earlier, slower path; to compare the two)");
+  cmd.add_flag("--kv-stored-in-pass", args.kv_stored_in_pass,
+               "A forward pass attends to the quantized copies of the tokens it computes itself, instead of to "
+               "their f16 values (the earlier behaviour; to measure both ways)");
 }
 
 EngineOptions engine_options(const ModelArgs& args) {
   EngineOptions o;
   o.n_threads = args.threads;
   o.exact_matmul = args.exact_matmul;
+  o.float_activations = args.float_activations;
+  if (o.exact_matmul && o.float_activations)
+    fail(ErrorCode::invalid_argument, "--exact-matmul and --float-activations are two float paths: choose one");
   // A process-wide switch of the kv layer; every command builds its engine here.
   kv::set_codes_attention(!args.kv_decode_tiles);
+  set_default_pass_precision(args.kv_stored_in_pass ? PassPrecision::stored : PassPrecision::full);
   return o;
 }
 

@@ -16,10 +16,13 @@ struct ModelArgs {
   std::string tokenizer_path;
   int threads = 0;
   bool exact_matmul = false;
+  bool float_activations = false;
+  bool kv_stored_in_pass = false;
   bool kv_decode_tiles = false;
 };
 
-// -m MODEL, -t TOKENIZER, --threads N, --exact-matmul, --kv-decode-tiles
+// -m MODEL, -t TOKENIZER, --threads N, --exact-matmul, --float-activations, --kv-decode-tiles,
+// --kv-stored-in-pass
 void add_model_args(CLI::App& cmd, ModelArgs& args);
 EngineOptions engine_options(const ModelArgs& args);
 // Loads the model, reporting the load time on stderr.

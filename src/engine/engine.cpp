@@ -19,6 +19,32 @@ Engine::Engine(const Model& model, EngineOptions options)
   for (int i = 0; i < c.head_dim / 2; ++i)
     inv_freq_[static_cast<std::size_t>(i)] =
         static_cast<float>(1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.head_dim));
+  if (options_.float_activations) build_float_weights();
+}
+
+void Engine::build_float_weights() {
+  if (options_.exact_matmul)
+    fail(ErrorCode::invalid_argument, "exact_matmul and float_activations are two float paths: choose one");
+  const ModelWeights& w = model_.weights();
+  std::vector<const TensorView*> all{&w.output};
+  for (const LayerWeights& lw : w.layers)
+    for (const TensorView* t : {&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.w_gate, &lw.w_up, &lw.w_down}) all.push_back(t);
+  for (const TensorView* t : all) {
+    // f32 weights need no copy; f16/bf16 ones already multiply f32 activations.
+    if (t->type == GgmlType::F32 || t->type == GgmlType::F16 || t->type == GgmlType::BF16) continue;
+    if (float_views_.contains(t->data)) continue;
+    std::vector<float>& store = float_store_.emplace_back(static_cast<std::size_t>(t->n_elements()));
+    const std::int64_t cols = t->cols();
+    pool_.parallel_for(static_cast<std::size_t>(t->rows()), 64, [&](std::size_t begin, std::size_t end, int) {
+      for (std::size_t r = begin; r < end; ++r)
+        kernels::dequantize_row(*t, static_cast<std::int64_t>(r), &store[r * static_cast<std::size_t>(cols)]);
+    });
+    TensorView f = *t;
+    f.type = GgmlType::F32;
+    f.data = reinterpret_cast<const std::uint8_t*>(store.data());
+    f.nbytes = store.size() * sizeof(float);
+    float_views_.emplace(t->data, f);
+  }
 }
 
 KvShape Engine::kv_shape() const noexcept {
@@ -224,7 +250,10 @@ void Engine::project(std::initializer_list<std::pair<const TensorView*, float*>>
   }
   std::array<kernels::MatmulOut, kernels::kMaxMatmulOuts> mo{};
   std::size_t k = 0;
-  for (const auto& [w, y] : outs) mo[k++] = kernels::MatmulOut{w, y};
+  for (const auto& [w, y] : outs) {
+    const auto f = float_views_.find(w->data);
+    mo[k++] = kernels::MatmulOut{f == float_views_.end() ? w : &f->second, y};
+  }
   kernels::matmul_multi(pool_, std::span<const kernels::MatmulOut>(mo.data(), k), x, n);
 }
 

@@ -59,6 +59,9 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
     fail(ErrorCode::invalid_argument, "--ctx {} must be in [4, {}] (the model's context length)", o.ctx, c.context_length);
   if (tokens.size() < static_cast<std::size_t>(o.ctx))
     fail(ErrorCode::invalid_argument, "the text has {} tokens, fewer than one window of --ctx {}", tokens.size(), o.ctx);
+  if (o.protocol == EvalProtocol::handoff && o.score_all)
+    fail(ErrorCode::invalid_argument, "--protocol handoff scores the consumer's half: it needs --score half");
+  if (o.chunk <= 0) fail(ErrorCode::invalid_argument, "--chunk {} must be positive", o.chunk);
   if (o.decode_tokens < 0 || o.decode_tokens >= o.ctx - 1)
     fail(ErrorCode::invalid_argument, "decode tokens {} must be in [0, ctx - 1)", o.decode_tokens);
   const int first = o.score_all ? 1 : o.ctx / 2;  // first scored token of a window
@@ -74,11 +77,13 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
   for (Accumulator& a : acc) {
     a.format.validate(shape, o.block_tokens);
     a.pool = KvPool::create(
-        PoolConfig{shape, o.block_tokens, KvPool::arena_bytes_for(shape, o.block_tokens, a.format, o.ctx)});
+        PoolConfig{shape, o.block_tokens,
+                   KvPool::arena_bytes_for(shape, o.block_tokens, a.format, o.ctx,
+                                           o.protocol == EvalProtocol::handoff ? 2 : 1)});  // the shared tail's copy
   }
 
   const std::size_t vocab = static_cast<std::size_t>(c.vocab_size);
-  std::vector<float> ref_lp(static_cast<std::size_t>(rows) * vocab), lp(vocab);
+  std::vector<float> ref_lp(static_cast<std::size_t>(rows) * vocab), lp(vocab), consumer_logits;
   std::vector<std::size_t> ref_top(static_cast<std::size_t>(rows));
   std::vector<TokenId> win(static_cast<std::size_t>(o.ctx));
   const Tokenizer& tok = model.tokenizer();
@@ -91,11 +96,29 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
       const auto t0 = Clock::now();
       Session session(std::make_unique<PooledKvCache>(a.pool, a.format, o.ctx));
       if (first > 1) engine.forward(session, std::span<const TokenId>(win.data(), static_cast<std::size_t>(first - 1)));
-      const auto logits = engine.forward(
-          session, std::span<const TokenId>(win.data() + first - 1, static_cast<std::size_t>(rows)), true);
+      std::span<const float> logits;
+      std::unique_ptr<Session> consumer;
+      if (o.protocol == EvalProtocol::prefill) {
+        logits = engine.forward(session, std::span<const TokenId>(win.data() + first - 1, static_cast<std::size_t>(rows)),
+                                true);
+      } else {
+        // The producer's context is sealed: its blocks stay as they are, shared;
+        // the consumer holds them by reference (as adopt() does with a
+        // descriptor) and writes its own tokens after them, a chunk per pass.
+        consumer = std::make_unique<Session>(static_cast<const PooledKvCache&>(session.cache()).fork());
+        consumer->note_placed(session.tokens());
+        consumer_logits.resize(static_cast<std::size_t>(rows) * vocab);
+        for (int r = 0; r < rows; r += o.chunk) {
+          const int n = std::min(o.chunk, rows - r);
+          const auto part = engine.forward(
+              *consumer, std::span<const TokenId>(win.data() + first - 1 + r, static_cast<std::size_t>(n)), true);
+          std::copy(part.begin(), part.end(), consumer_logits.begin() + static_cast<std::ptrdiff_t>(r) * static_cast<std::ptrdiff_t>(vocab));
+        }
+        logits = consumer_logits;
+      }
       a.seconds += seconds_since(t0);
       a.tokens_run += o.ctx - 1;
-      a.window_bytes = static_cast<const PooledKvCache&>(session.cache()).kv_bytes();
+      a.window_bytes = static_cast<const PooledKvCache&>((consumer ? *consumer : session).cache()).kv_bytes();
       for (int r = 0; r < rows; ++r) {
         const float* x = logits.data() + static_cast<std::size_t>(r) * vocab;
         const auto target = static_cast<std::size_t>(win[static_cast<std::size_t>(first + r)]);
@@ -119,7 +142,7 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
         a.agree += top == ref_top[static_cast<std::size_t>(r)];
       }
       if (o.progress)
-        o.progress(fmt::format("window {}/{} {:<26} ppl {:.4f}  mean KL {:.5f}  {:.0f} tokens/s", w + 1, windows,
+        o.progress(fmt::format("window {}/{} {:<26} ppl {:.4f}  mean KL {:.6f}  {:.0f} tokens/s", w + 1, windows,
                                a.format.to_string(), std::exp(a.nll / static_cast<double>(a.scored)),
                                a.kl_sum / static_cast<double>(a.scored),
                                static_cast<double>(a.tokens_run) / std::max(a.seconds, 1e-9)));

@@ -1,6 +1,7 @@
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -83,14 +84,28 @@ struct PooledKvCache::Step {
     BlockRef dst, src;
     KvCodec dk, dv, sk, sv;
     bool fresh = false;  // dst was allocated by this pass
+    int slot = -1;       // its pass copy in pass_tiles (PassPrecision::full), or -1
   };
   int n = 0;
   int next_layer = 0;
   std::vector<BlockRef> view;  // the table as attention reads it during the pass
-  std::vector<KvCodec> view_k, view_v;
+  std::vector<KvCodec> view_k, view_v;  // the codecs attention reads (the pass copy's, where there is one)
+  std::vector<int> view_slot;  // per view block and kind (K, V): its pass copy, or -1
   std::vector<Work> work;
   std::vector<float> rows;  // one tile of rows being requantized
+  // Pass copies of the current layer: [slot][kind][kv_head] tiles of the hot codec,
+  // for the blocks that this pass quantizes and that hold tokens of this pass.
+  std::vector<std::byte> pass_tiles;
+  std::size_t pass_tile_bytes = 0;  // one tile, the larger of K's and V's hot layout
+  int slots = 0;
 };
+
+namespace {
+std::atomic<PassPrecision> g_pass_precision{PassPrecision::full};
+}
+
+void set_default_pass_precision(PassPrecision p) noexcept { g_pass_precision.store(p, std::memory_order_relaxed); }
+PassPrecision default_pass_precision() noexcept { return g_pass_precision.load(std::memory_order_relaxed); }
 
 PooledKvCache::PooledKvCache(std::shared_ptr<KvPool> pool, const KvFormat& format, int capacity)
     : pool_(std::move(pool)), format_(format), capacity_(capacity) {
@@ -226,10 +241,14 @@ void PooledKvCache::plan(int n) {
       }
       w.dst = pool_->allocate(tk, tv, block_flags());
       w.fresh = true;
+      // A block this pass quantizes and puts its own tokens in: the pass reads a hot copy.
+      const bool pass_copy =
+          pass_precision_ == PassPrecision::full && touched && (tk.quantized() || tv.quantized());
+      if (pass_copy) w.slot = step->slots++;
       step->work.push_back(w);
       step->view[static_cast<std::size_t>(b)] = w.dst;
-      step->view_k[static_cast<std::size_t>(b)] = tk;
-      step->view_v[static_cast<std::size_t>(b)] = tv;
+      step->view_k[static_cast<std::size_t>(b)] = pass_copy ? hk : tk;
+      step->view_v[static_cast<std::size_t>(b)] = pass_copy ? hv : tv;
     }
   } catch (const Error& e) {
     for (const Step::Work& w : step->work)
@@ -238,7 +257,27 @@ void PooledKvCache::plan(int n) {
     fail(ErrorCode::out_of_memory, "{} (storing {} more tokens in a {}-token context, format {})", e.what(), n, size_,
          format_.to_string());
   }
+  step->view_slot.assign(static_cast<std::size_t>(new_blocks) * 2, -1);
+  for (const Step::Work& w : step->work) {
+    if (w.slot < 0) continue;  // a kind stored hot is read where it is stored
+    if (w.dk.quantized()) step->view_slot[static_cast<std::size_t>(w.block) * 2] = w.slot;
+    if (w.dv.quantized()) step->view_slot[static_cast<std::size_t>(w.block) * 2 + 1] = w.slot;
+  }
+  if (step->slots > 0) {
+    const KvShape& s = shape();
+    step->pass_tile_bytes = std::max(tile_layout(hk, T, s.head_dim).bytes, tile_layout(hv, T, s.head_dim).bytes);
+    step->pass_tiles.resize(static_cast<std::size_t>(step->slots) * 2 * static_cast<std::size_t>(s.n_kv_heads) *
+                            step->pass_tile_bytes);
+  }
   step_ = std::move(step);
+}
+
+const std::byte* PooledKvCache::pass_tile(int b, int kind, int layer, int kv_head) const {
+  const int slot = step_->view_slot[static_cast<std::size_t>(b) * 2 + static_cast<std::size_t>(kind)];
+  if (slot < 0) return pool_->tile(step_->view[static_cast<std::size_t>(b)], kind, layer, kv_head);
+  const std::size_t i = (static_cast<std::size_t>(slot) * 2 + static_cast<std::size_t>(kind)) *
+                            static_cast<std::size_t>(shape().n_kv_heads) + static_cast<std::size_t>(kv_head);
+  return step_->pass_tiles.data() + i * step_->pass_tile_bytes;
 }
 
 void PooledKvCache::write(int layer, int n, const float* k, const float* v) {
@@ -300,6 +339,12 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
       if (dc.quantized()) {
         QKV_CHECK(end_rows == T);  // only full blocks are quantized
         kv::encode_tile(dc, dl, rows.data(), dst);
+        if (w.slot >= 0) {  // the pass reads these rows at the hot precision
+          const KvCodec hc = hot_codec(dc);
+          const TileLayout hl = tile_layout(hc, T, D);
+          std::byte* copy = const_cast<std::byte*>(pass_tile(w.block, kind, layer, h));
+          for (int r = 0; r < T; ++r) kv::encode_row(hc, hl, &rows[static_cast<std::size_t>(r) * D], r, copy);
+        }
       } else {
         for (int r = 0; r < end_rows; ++r) kv::encode_row(dc, dl, &rows[static_cast<std::size_t>(r) * D], r, dst);
       }
@@ -318,8 +363,8 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   for (int b = 0; b < blocks; ++b)
     for (int h = 0; h < s.n_kv_heads; ++h) {
       const std::size_t i = static_cast<std::size_t>(b) * s.n_kv_heads + h;
-      tiles[i] = pool_->tile(step_->view[static_cast<std::size_t>(b)], 0, layer, h);
-      tiles[half + i] = pool_->tile(step_->view[static_cast<std::size_t>(b)], 1, layer, h);
+      tiles[i] = pass_tile(b, 0, layer, h);
+      tiles[half + i] = pass_tile(b, 1, layer, h);
     }
   kv::AttendInput in;
   in.shape = s;
@@ -371,8 +416,8 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
       const BlockRef ref = blocks[static_cast<std::size_t>(b)];
       for (int h = 0; h < s.n_kv_heads; ++h) {
         const std::size_t i = static_cast<std::size_t>(b) * s.n_kv_heads + h;
-        part.tiles[i] = pool_->tile(ref, 0, layer, h);
-        part.tiles[half + i] = pool_->tile(ref, 1, layer, h);
+        part.tiles[i] = tail ? pass_tile(b, 0, layer, h) : pool_->tile(ref, 0, layer, h);
+        part.tiles[half + i] = tail ? pass_tile(b, 1, layer, h) : pool_->tile(ref, 1, layer, h);
       }
       if (tail) {
         part.codecs[static_cast<std::size_t>(b)] = step_->view_k[static_cast<std::size_t>(b)];

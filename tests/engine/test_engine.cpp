@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/engine.hpp"
+#include "qkvshare/model/synthetic_model.hpp"
 #include "test_paths.hpp"
 
 namespace qkvshare {
@@ -83,6 +85,43 @@ TEST_F(EngineTest, LogitsAreFinite) {
   auto session = engine.new_session();
   const auto l = engine.forward(*session, prompt("Hello"));
   for (float v : l) ASSERT_TRUE(std::isfinite(v));
+}
+
+// Float activations on the SIMD kernels (weights dequantized once) compute what
+// the scalar float reference computes, up to f32 summation order, and far
+// closer to it than 8-bit activations do.
+TEST(EngineFloatActivations, MatchTheExactReferenceOnQuantizedWeights) {
+  for (const auto& [name, type] : {std::pair{"tiny-llama", GgmlType::Q4_0}, std::pair{"tiny-qwen3", GgmlType::Q4_K},
+                                   std::pair{"tiny-llama", GgmlType::Q8_0}}) {
+    const std::string path = testing::temp_dir() + "/float-acts-" + name + "-" + std::string(type_name(type)) + ".gguf";
+    SyntheticOptions opt;
+    opt.type = type;
+    write_synthetic_model(find_synthetic_shape(name), opt, path);
+    auto model = Model::load(path);
+    const auto ids = model->tokenizer().encode("The cat sat on the mat, and then the dog came in.");
+    EngineOptions exact{2}, fast{2}, int8{2};
+    exact.exact_matmul = true;
+    fast.float_activations = true;
+    const auto logits = [&](const EngineOptions& o) {
+      Engine engine(*model, o);
+      auto session = engine.new_session(64);
+      const auto l = engine.forward(*session, ids, true);
+      return std::vector<float>(l.begin(), l.end());
+    };
+    const auto ref = logits(exact), f = logits(fast), q = logits(int8);
+    float scale = 0, df = 0, dq = 0;
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      scale = std::max(scale, std::abs(ref[i]));
+      df = std::max(df, std::abs(f[i] - ref[i]));
+      dq = std::max(dq, std::abs(q[i] - ref[i]));
+    }
+    EXPECT_LE(df, 1e-4f * scale) << name << " " << type_name(type);
+    EXPECT_LT(df * 10.0f, dq) << name << " " << type_name(type) << ": 8-bit activations should be further off";
+  }
+  auto model = Model::load(testing::shared_path("models/stories260K.bin"), testing::shared_path("models/tok512.bin"));
+  EngineOptions both{2};
+  both.exact_matmul = both.float_activations = true;
+  EXPECT_THROW(Engine(*model, both), Error);
 }
 
 }  // namespace

@@ -74,5 +74,41 @@ TEST(KvEval, CliWritesJsonAndRejectsBadFormats) {
   EXPECT_NE(slurp(dir + "/bad.txt").find("'int5'"), std::string::npos) << slurp(dir + "/bad.txt");
 }
 
+// The handoff protocol: a consumer that continues the producer's sealed half in
+// one pass computes exactly what the prefill protocol does (the same blocks,
+// shared); in smaller passes it reads more of its own tokens hot, so a
+// quantized format then scores differently.
+TEST(KvEval, HandoffProtocolContinuesTheProducersBlocks) {
+  auto model = Model::load(testing::shared_path("models/stories260K.bin"), testing::shared_path("models/tok512.bin"));
+  const auto tokens = model->tokenizer().encode(slurp(testing::shared_path("data/tinystories-valid-sample.txt")));
+  Engine engine(*model, EngineOptions{2});
+  const std::vector<KvFormat> formats{KvFormat::parse("f16"), KvFormat::parse("int4"), KvFormat::parse("int2")};
+  EvalOptions o;
+  o.ctx = 128;
+  o.max_scored = 192;
+  const EvalReport prefill = evaluate_kv(engine, tokens, formats, o);
+  o.protocol = EvalProtocol::handoff;
+  o.chunk = 64;  // the consumer's whole half in one pass
+  const EvalReport whole = evaluate_kv(engine, tokens, formats, o);
+  o.chunk = 8;
+  const EvalReport chunked = evaluate_kv(engine, tokens, formats, o);
+  ASSERT_EQ(whole.results.size(), prefill.results.size());
+  for (std::size_t i = 0; i < prefill.results.size(); ++i) {
+    EXPECT_EQ(whole.results[i].scored, prefill.results[i].scored);
+    EXPECT_DOUBLE_EQ(whole.results[i].ppl, prefill.results[i].ppl) << prefill.results[i].format;
+    EXPECT_DOUBLE_EQ(whole.results[i].mean_kl, prefill.results[i].mean_kl) << prefill.results[i].format;
+    EXPECT_EQ(chunked.results[i].scored, prefill.results[i].scored);
+    EXPECT_TRUE(std::isfinite(chunked.results[i].ppl));
+  }
+  EXPECT_NEAR(chunked.results[0].ppl, prefill.results[0].ppl, 1e-4 * prefill.results[0].ppl);  // f32: rounding only
+  EXPECT_NE(chunked.results[2].ppl, prefill.results[2].ppl);  // int4
+  // The consumer's half needs a producer's half.
+  o.score_all = true;
+  EXPECT_THROW(evaluate_kv(engine, tokens, formats, o), Error);
+  o.score_all = false;
+  o.chunk = 0;
+  EXPECT_THROW(evaluate_kv(engine, tokens, formats, o), Error);
+}
+
 }  // namespace
 }  // namespace qkvshare

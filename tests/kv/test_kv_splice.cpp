@@ -153,6 +153,7 @@ TEST(KvSplice, SegmentAttentionEqualsFreshComputationAtNewPositions) {
                              " path " + std::to_string(static_cast<int>(path)) + " T=" + std::to_string(cs.block_tokens);
           PooledKvCache producer(pool, f, 256), consumer(pool, f, 256);
           consumer.set_attend_path(path);
+          consumer.set_pass_precision(PassPrecision::stored);  // the reference reads the stored rows
           write_pass(producer, prod, 0, 20, 0, rope, threads);
           write_pass(producer, prod, 20, cs.producer_tokens - 20, 20, rope, threads);
           write_pass(consumer, own, 0, M, 0, rope, threads);

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "kv_test_util.hpp"
@@ -121,6 +122,50 @@ TEST(PooledKvCache, QuantizesOnWriteAndKeepsHotBlocksF16) {
   EXPECT_EQ(pool->info(cache.segments()[0].blocks[5]).k, f.k);
   EXPECT_EQ(pool->info(cache.segments()[0].blocks[6]).k, KvCodec::f16());
   EXPECT_EQ(pool->counters().blocks_used, 8u);  // nothing left over from the conversion
+}
+
+// PassPrecision::full: the pass that computes tokens attends to them at the
+// hot precision, exactly as a cache of the hot codecs would, while the blocks
+// store the same codes as under PassPrecision::stored; the next pass reads
+// those codes in either mode.
+TEST(PooledKvCache, APassReadsItsOwnTokensHotAndLaterPassesTheirCodes) {
+  ThreadPool threads(2);
+  const KvShape s{2, 6, 3, 16};
+  const int T = 8;
+  for (const char* text : kAllFormats) {
+    const KvFormat f = KvFormat::parse(text);
+    if (!f.k.quantized() && !f.v.quantized()) continue;
+    KvFormat hot = f;  // the same window, sinks and rotation, every block hot
+    hot.k = hot_codec(f.k);
+    hot.v = hot_codec(f.v);
+    auto pool = KvPool::create(PoolConfig{s, T, KvPool::arena_bytes_for(s, T, f, 128, 4)});
+    {
+      PooledKvCache full(pool, f, 128), stored(pool, f, 128), hot_cache(pool, hot, 128);
+      full.set_pass_precision(PassPrecision::full);
+      stored.set_pass_precision(PassPrecision::stored);
+      const auto first = random_pass(s, 37, 3);
+      const auto a = run_pass(full, first, 37, threads);
+      const auto b = run_pass(stored, first, 37, threads);
+      const auto h = run_pass(hot_cache, first, 37, threads);
+      ASSERT_EQ(0, std::memcmp(a.data(), h.data(), a.size() * sizeof(float))) << text;
+      EXPECT_GT(max_abs_diff(a, b), 1e-4f) << text << ": the stored pass should read its own codes";
+      // The same codes stored either way.
+      std::vector<float> ra(37 * s.head_dim), rb(ra.size());
+      for (int l = 0; l < s.n_layers; ++l)
+        for (int kind = 0; kind < 2; ++kind)
+          for (int kh = 0; kh < s.n_kv_heads; ++kh) {
+            full.read_rows(l, kind, kh, 0, 37, ra.data());
+            stored.read_rows(l, kind, kh, 0, 37, rb.data());
+            ASSERT_EQ(ra, rb) << text << " layer " << l << " kind " << kind;
+          }
+      // A decode step into the hot tail reads the stored codes in both modes.
+      const auto step = random_pass(s, 1, 4);
+      const auto c = run_pass(full, step, 1, threads);
+      const auto d = run_pass(stored, step, 1, threads);
+      ASSERT_EQ(0, std::memcmp(c.data(), d.data(), c.size() * sizeof(float))) << text;
+    }
+    EXPECT_EQ(pool->counters().blocks_used, 0u) << text;
+  }
 }
 
 TEST(PooledKvCache, ThousandsOfContextsLeakNothing) {

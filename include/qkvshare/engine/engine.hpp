@@ -19,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -80,6 +81,12 @@ struct EngineOptions {
   // Float activations in every matmul (kernels::matmul_exact) instead of the
   // 8-bit-activation SIMD kernels: slow, for checks against float references.
   bool exact_matmul = false;
+  // Float activations on the SIMD kernels: every block-quantized weight is
+  // dequantized to f32 once, when the engine is built (4 bytes per weight),
+  // and multiplied by the f32 GEMM tiles. The same weights as the 8-bit path,
+  // without its activation rounding; what quality measurements below that
+  // rounding's noise need (eval --float-activations).
+  bool float_activations = false;
 };
 
 class Engine {
@@ -124,6 +131,7 @@ class Engine {
   // call (activations quantized once), or exact matmuls one by one.
   void project(std::initializer_list<std::pair<const TensorView*, float*>> outs, const float* x, int n);
   void ensure_scratch(int n);
+  void build_float_weights();
 
   const Model& model_;
   EngineOptions options_;
@@ -137,6 +145,10 @@ class Engine {
   std::vector<int> row0_;
   std::vector<char> alive_;
   std::vector<AttendWork*> works_;
+  // float_activations: the f32 copy of each block-quantized weight, by the
+  // address of its data (a tied output shares the embedding's copy).
+  std::unordered_map<const std::uint8_t*, TensorView> float_views_;
+  std::vector<std::vector<float>> float_store_;
 };
 
 }  // namespace qkvshare

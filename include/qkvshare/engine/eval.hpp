@@ -12,12 +12,21 @@
 
 namespace qkvshare {
 
+// How a window is run. prefill: the whole window by one session, in
+// max_batch passes. handoff: a producer prefills the first half and its
+// context is sealed; a consumer continues it (the producer's blocks shared, as
+// a handoff opens them) in passes of `chunk` tokens and is scored on the
+// second half, its own tokens read at the precision of its passes.
+enum class EvalProtocol { prefill, handoff };
+
 struct EvalOptions {
   int ctx = 512;             // window length in tokens; windows do not overlap
   long max_scored = 0;       // stop once this many tokens are scored (whole windows); 0: the whole text,
                              // < 0: no quality windows at all (decode speed only)
   bool score_all = false;    // score every position; default: the second half of each window (llama.cpp)
   int block_tokens = 32;
+  EvalProtocol protocol = EvalProtocol::prefill;
+  int chunk = 64;            // handoff: the consumer's tokens per forward pass
   int decode_tokens = 0;     // > 0: also time this many decode steps ending at depth ctx, per format
                              // (formats interleaved step by step; the median step counts)
   // Called with a line of progress (window, format, running perplexity).

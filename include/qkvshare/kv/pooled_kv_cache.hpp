@@ -4,7 +4,12 @@
 //
 // Writes are quantized as they arrive, prefill included: the tokens of a
 // block that this forward pass fills go straight into a cold (quantized)
-// block, so the attention of the same pass already reads quantized keys. Hot
+// block. The attention of that same pass reads the block's rows at the hot
+// precision instead (PassPrecision::full, the default: an f16 copy kept for
+// the pass, one layer at a time), as a GPU engine attends to the fresh K/V of
+// a prefill; later passes read the stored codes. PassPrecision::stored makes
+// the pass read its own quantized copies (the error then compounds through the
+// layers of a prefill; kept to measure one against the other). Hot
 // blocks (the partly filled tail, the window, the sinks) are f16 (f32 for f32
 // codecs). A hot block that turns cold is requantized into a new block during
 // the pass and swapped in at commit(); a shared block (refcount > 1) is never
@@ -54,6 +59,13 @@ struct KvRope {
 // kernels of the CPU, and for f32 K and V the exact reference sequence of
 // DenseKvCache (so an f32 pool reproduces its logits; see kv_attention.cpp).
 enum class AttendPath { automatic, scalar, avx2, avx512, neon, neon_dot, exact };
+
+// What a forward pass reads of the tokens it computes itself (see above).
+enum class PassPrecision { full, stored };
+// The precision new caches start with (process-wide; the CLI's
+// --kv-stored-in-pass sets it to stored). Default: full.
+void set_default_pass_precision(PassPrecision p) noexcept;
+PassPrecision default_pass_precision() noexcept;
 
 class PooledKvCache final : public KvCache {
  public:
@@ -109,6 +121,8 @@ class PooledKvCache final : public KvCache {
   // Bytes of the pages this context's blocks hold.
   std::size_t kv_bytes() const;
   void set_attend_path(AttendPath path) noexcept { path_ = path; }
+  void set_pass_precision(PassPrecision p) noexcept { pass_precision_ = p; }
+  PassPrecision pass_precision() const noexcept { return pass_precision_; }
 
  private:
   struct Step;  // the pass between the first write() and commit()
@@ -116,6 +130,8 @@ class PooledKvCache final : public KvCache {
   void plan(int n);
   void discard_step() noexcept;
   void write_block(int layer, int b, const float* k, const float* v, int n);
+  // The tile attention reads this pass for view block b (the pass copy when it has one).
+  const std::byte* pass_tile(int b, int kind, int layer, int kv_head) const;
   std::uint32_t block_flags() const noexcept;
 
   std::shared_ptr<KvPool> pool_;
@@ -127,6 +143,7 @@ class PooledKvCache final : public KvCache {
   KvRope rope_;
   std::unique_ptr<Step> step_;
   AttendPath path_ = AttendPath::automatic;
+  PassPrecision pass_precision_ = default_pass_precision();
   std::vector<float> rotated_;  // k/v rows of a write, rotated per head
   // The planned attention and the tile pointers it reads (one plan at a time per cache).
   std::unique_ptr<kv::BlockAttend> attend_work_;
