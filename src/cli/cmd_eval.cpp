@@ -94,6 +94,7 @@ nlohmann::json to_json(const EvalArgs& a, const EvalReport& r) {
     j["formats"].push_back({{"format", f.format},
                             {"bits_per_element", f.bits_per_element},
                             {"cold_bits_per_element", f.cold_bits_per_element},
+                            {"handoff_bits_per_element", f.handoff_bits_per_element},
                             {"kv_bytes_per_token", f.kv_bytes_per_token},
                             {"ppl", f.ppl},
                             {"ppl_delta_pct", f.ppl_delta_pct},

@@ -24,6 +24,21 @@ void log_softmax(const float* x, float* out, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) out[i] = x[i] - lse;
 }
 
+// Stored bits per element of a context as it is: every block's codes, scales
+// and mins (whole blocks) over the elements of its tokens.
+double stored_bits(const PooledKvCache& cache) {
+  const KvShape& s = cache.shape();
+  const int T = cache.pool().block_tokens();
+  double bytes = 0;
+  for (const KvSegment& seg : cache.segments())
+    for (const BlockRef b : seg.blocks) {
+      const BlockInfo info = cache.pool().info(b);
+      const TileLayout k = tile_layout(info.k, T, s.head_dim), v = tile_layout(info.v, T, s.head_dim);
+      bytes += static_cast<double>(k.code_bytes + k.param_bytes + v.code_bytes + v.param_bytes) * s.n_layers * s.n_kv_heads;
+    }
+  return bytes * 8.0 / (static_cast<double>(cache.size()) * s.n_layers * s.kv_dim() * 2.0);
+}
+
 struct Accumulator {
   KvFormat format;
   std::shared_ptr<KvPool> pool;
@@ -35,6 +50,7 @@ struct Accumulator {
   double seconds = 0.0;
   long tokens_run = 0;
   std::size_t window_bytes = 0;
+  double bits_sum = 0, handoff_bits_sum = 0;  // mixed formats: measured per window
 };
 
 }  // namespace
@@ -62,6 +78,10 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
   if (o.protocol == EvalProtocol::handoff && o.score_all)
     fail(ErrorCode::invalid_argument, "--protocol handoff scores the consumer's half: it needs --score half");
   if (o.chunk <= 0) fail(ErrorCode::invalid_argument, "--chunk {} must be positive", o.chunk);
+  for (const KvFormat& f : formats)
+    if (f.mixed() && o.protocol != EvalProtocol::handoff)
+      fail(ErrorCode::invalid_argument,
+           "KV format {} demotes a context when it is handed off: evaluate it with --protocol handoff", f.to_string());
   if (o.decode_tokens < 0 || o.decode_tokens >= o.ctx - 1)
     fail(ErrorCode::invalid_argument, "decode tokens {} must be in [0, ctx - 1)", o.decode_tokens);
   const int first = o.score_all ? 1 : o.ctx / 2;  // first scored token of a window
@@ -105,7 +125,10 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
         // The producer's context is sealed: its blocks stay as they are, shared;
         // the consumer holds them by reference (as adopt() does with a
         // descriptor) and writes its own tokens after them, a chunk per pass.
-        consumer = std::make_unique<Session>(static_cast<const PooledKvCache&>(session.cache()).fork());
+        auto& sealed = static_cast<PooledKvCache&>(session.cache());
+        sealed.demote();  // mixed formats: the producer's re-precision at handoff
+        if (a.format.mixed()) a.handoff_bits_sum += stored_bits(sealed);
+        consumer = std::make_unique<Session>(sealed.fork());
         consumer->note_placed(session.tokens());
         consumer_logits.resize(static_cast<std::size_t>(rows) * vocab);
         for (int r = 0; r < rows; r += o.chunk) {
@@ -118,7 +141,9 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
       }
       a.seconds += seconds_since(t0);
       a.tokens_run += o.ctx - 1;
-      a.window_bytes = static_cast<const PooledKvCache&>((consumer ? *consumer : session).cache()).kv_bytes();
+      const auto& scored = static_cast<const PooledKvCache&>((consumer ? *consumer : session).cache());
+      a.window_bytes = scored.kv_bytes();
+      if (a.format.mixed()) a.bits_sum += stored_bits(scored);
       for (int r = 0; r < rows; ++r) {
         const float* x = logits.data() + static_cast<std::size_t>(r) * vocab;
         const auto target = static_cast<std::size_t>(win[static_cast<std::size_t>(first + r)]);
@@ -164,6 +189,10 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
     EvalFormatResult r;
     r.format = a.format.to_string();
     r.bits_per_element = static_cast<double>(a.format.context_bytes(shape, o.block_tokens, o.ctx)) * 8.0 / elems;
+    if (a.format.mixed() && windows > 0) {  // as stored: the producer's half demoted, the consumer's own blocks not
+      r.bits_per_element = a.bits_sum / static_cast<double>(windows);
+      r.handoff_bits_per_element = a.handoff_bits_sum / static_cast<double>(windows);
+    }
     r.cold_bits_per_element = a.format.cold_bits(o.block_tokens, shape.head_dim);
     r.kv_bytes_per_token = static_cast<double>(a.window_bytes) / (o.ctx - 1);
     r.scored = a.scored;

@@ -1,6 +1,9 @@
 #include "qkvshare/kv/kv_format.hpp"
 
+#include <algorithm>
 #include <charconv>
+#include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "qkvshare/core/error.hpp"
@@ -125,7 +128,15 @@ KvFormat KvFormat::parse(std::string_view text) {
     pos = end + 1;
   }
   KvFormat f;
-  const std::string_view name = parts[0];
+  std::string_view name = parts[0];
+  std::size_t first_option = 1;
+  if (name == "mixed") {  // mixed:hi=NAME:...: the high precision is the base name
+    if (parts.size() < 2 || parts[1].substr(0, 3) != "hi=")
+      fail(ErrorCode::invalid_argument, "KV format '{}': mixed needs hi=NAME first (e.g. mixed:hi=int8:lo=int2:top=0.2)",
+           whole);
+    name = parts[1].substr(3);
+    first_option = 2;
+  }
   KvType kt{}, vt{};
   if (name == "f32" || name == "f16" || name == "int8" || name == "int4" || name == "int3" || name == "int2") {
     const int bits = name == "f32" ? 32 : name == "f16" ? 16 : parse_int(name.substr(3), "bits", whole);
@@ -144,7 +155,8 @@ KvFormat KvFormat::parse(std::string_view text) {
   }
   f.k = default_codec(kt, true);
   f.v = default_codec(vt, false);
-  for (std::size_t i = 1; i < parts.size(); ++i) {
+  bool has_lo = false, has_top = false;
+  for (std::size_t i = first_option; i < parts.size(); ++i) {
     const std::string_view p = parts[i];
     const std::size_t eq = p.find('=');
     if (eq == std::string_view::npos)
@@ -172,11 +184,38 @@ KvFormat KvFormat::parse(std::string_view text) {
         fail(ErrorCode::invalid_argument, "KV format '{}': rot must be none, k, v or kv, got '{}'", whole, val);
       f.rotate_k = val == "k" || val == "kv";
       f.rotate_v = val == "v" || val == "kv";
+    } else if (key == "lo") {
+      KvFormat lo;
+      try {
+        lo = parse(val);
+      } catch (const Error&) {
+        fail(ErrorCode::invalid_argument, "KV format '{}': lo must name an integer format such as int2 or k4v2, got '{}'",
+             whole, val);
+      }
+      if (!lo.k.quantized() || !lo.v.quantized() || lo.mixed() || val.find(':') != std::string_view::npos)
+        fail(ErrorCode::invalid_argument, "KV format '{}': lo must name an integer format such as int2 or k4v2, got '{}'",
+             whole, val);
+      f.lo_k = lo.k;
+      f.lo_v = lo.v;
+      has_lo = true;
+    } else if (key == "top") {
+      const std::string v(val);
+      char* end = nullptr;
+      f.top = std::strtod(v.c_str(), &end);
+      if (v.empty() || end != v.c_str() + v.size() || !(f.top > 0.0 && f.top < 1.0))
+        fail(ErrorCode::invalid_argument, "KV format '{}': top must be a share strictly between 0 and 1, got '{}'", whole,
+             val);
+      has_top = true;
     } else {
       fail(ErrorCode::invalid_argument,
-           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot)", whole, key);
+           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, lo, top)", whole, key);
     }
   }
+  if (has_lo != has_top)
+    fail(ErrorCode::invalid_argument, "KV format '{}': mixed precision needs both lo=NAME and top=F", whole);
+  if (has_lo && (!f.k.quantized() || !f.v.quantized()))
+    fail(ErrorCode::invalid_argument, "KV format '{}': mixed precision needs integer high-precision codes", whole);
+  if (has_lo && f.lo_v.axis == KvAxis::token && f.v.axis == KvAxis::token) f.lo_v.group = f.v.group;
   if (f.window > (1 << 24) || f.sink > (1 << 24))
     fail(ErrorCode::invalid_argument, "KV format '{}': window/sink too large", whole);
   return f;
@@ -201,6 +240,11 @@ std::string KvFormat::to_string() const {
   if (k.axis == KvAxis::token && k.group != plain.k.group && k.group != 0) s += fmt::format(":kgroup={}", k.group);
   if (v.group != plain.v.group && v.group != 0) s += fmt::format(":vgroup={}", v.group);
   if (rotate_k || rotate_v) s += rotate_k && rotate_v ? ":rot=kv" : rotate_k ? ":rot=k" : ":rot=v";
+  if (mixed()) {
+    s += lo_k.type == lo_v.type ? fmt::format(":lo=int{}", lo_k.bits())
+                                : fmt::format(":lo=k{}v{}", type_name(lo_k.type), type_name(lo_v.type));
+    s += fmt::format(":top={}", top);
+  }
   return s;
 }
 
@@ -209,6 +253,10 @@ void KvFormat::validate(const KvShape& shape, int block_tokens) const {
     fail(ErrorCode::invalid_argument, "KV block size {} is not a power of two", block_tokens);
   tile_layout(k, block_tokens, shape.head_dim);
   tile_layout(v, block_tokens, shape.head_dim);
+  if (mixed()) {
+    tile_layout(lo_k, block_tokens, shape.head_dim);
+    tile_layout(lo_v, block_tokens, shape.head_dim);
+  }
   if ((rotate_k || rotate_v) && (shape.head_dim & (shape.head_dim - 1)) != 0)
     fail(ErrorCode::unsupported, "KV format '{}': Hadamard rotation needs a power-of-two head_dim, got {}",
          to_string(), shape.head_dim);
@@ -227,20 +275,25 @@ bool KvFormat::block_is_hot(int block, int tokens, int block_tokens) const noexc
   return end > static_cast<long long>(tokens) - window;  // recent window
 }
 
+int KvFormat::kept_blocks(int cold) const noexcept {
+  if (!mixed()) return cold;
+  return std::min(cold, static_cast<int>(std::ceil(top * cold - 1e-9)));
+}
+
 std::size_t KvFormat::context_bytes(const KvShape& shape, int block_tokens, int tokens) const {
-  const TileLayout ck = tile_layout(k, block_tokens, shape.head_dim), cv = tile_layout(v, block_tokens, shape.head_dim);
-  const TileLayout hk = tile_layout(hot_codec(k), block_tokens, shape.head_dim);
-  const TileLayout hv = tile_layout(hot_codec(v), block_tokens, shape.head_dim);
+  const auto bytes = [&](const KvCodec& c) {
+    const TileLayout l = tile_layout(c, block_tokens, shape.head_dim);
+    return l.code_bytes + l.param_bytes;
+  };
   const std::size_t tiles = static_cast<std::size_t>(shape.n_layers) * static_cast<std::size_t>(shape.n_kv_heads);
-  std::size_t total = 0;
   const int blocks = (tokens + block_tokens - 1) / block_tokens;
-  for (int b = 0; b < blocks; ++b) {
-    const bool hot = block_is_hot(b, tokens, block_tokens);
-    const TileLayout& lk = hot ? hk : ck;
-    const TileLayout& lv = hot ? hv : cv;
-    total += tiles * (lk.code_bytes + lk.param_bytes + lv.code_bytes + lv.param_bytes);
-  }
-  return total;
+  int hot = 0;
+  for (int b = 0; b < blocks; ++b) hot += block_is_hot(b, tokens, block_tokens);
+  const int cold = blocks - hot, kept = kept_blocks(cold);
+  const std::size_t per_hot = bytes(hot_codec(k)) + bytes(hot_codec(v)), per_cold = bytes(k) + bytes(v);
+  const std::size_t per_lo = mixed() ? bytes(lo_k) + bytes(lo_v) : per_cold;
+  return tiles * (static_cast<std::size_t>(hot) * per_hot + static_cast<std::size_t>(kept) * per_cold +
+                  static_cast<std::size_t>(cold - kept) * per_lo);
 }
 
 }  // namespace qkvshare

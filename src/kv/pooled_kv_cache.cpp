@@ -98,6 +98,15 @@ struct PooledKvCache::Step {
   std::vector<std::byte> pass_tiles;
   std::size_t pass_tile_bytes = 0;  // one tile, the larger of K's and V's hot layout
   int slots = 0;
+  // Mixed formats: this pass's last queries, [obs_rows][n_layers][q_dim], kept at commit().
+  std::vector<float> obs;
+  int obs_rows = 0;
+
+  std::byte* pass_copy(int slot, int kind, int kv_head, int n_kv_heads) {
+    const auto i = (static_cast<std::size_t>(slot) * 2 + static_cast<std::size_t>(kind)) *
+                       static_cast<std::size_t>(n_kv_heads) + static_cast<std::size_t>(kv_head);
+    return pass_tiles.data() + i * pass_tile_bytes;
+  }
 };
 
 namespace {
@@ -131,6 +140,9 @@ std::unique_ptr<PooledKvCache> PooledKvCache::fork() const {
   copy->base_ = base_;
   copy->rope_ = rope_;
   copy->path_ = path_;
+  copy->pass_precision_ = pass_precision_;
+  copy->observed_ = observed_;
+  copy->observed_pos_ = observed_pos_;
   return copy;
 }
 
@@ -171,7 +183,8 @@ std::unique_ptr<PooledKvCache> PooledKvCache::adopt(std::shared_ptr<KvPool> pool
       const int rows_used = std::min(T, s.first_row + s.tokens - (static_cast<int>(table.size()) - 1) * T);
       // Only rows coded one by one can be partly filled.
       const bool partial = static_cast<int>(info.fill) < T;
-      if ((info.k != format.k && info.k != hk) || (info.v != format.v && info.v != hv) ||
+      const bool lo = format.mixed() && info.k == format.lo_k && info.v == format.lo_v;  // a demoted block
+      if ((!lo && ((info.k != format.k && info.k != hk) || (info.v != format.v && info.v != hv))) ||
           info.flags != cache->block_flags() || static_cast<int>(info.fill) < rows_used ||
           (partial && (info.k.quantized() || info.v.quantized())))
         fail(ErrorCode::invalid_argument, "adopt: block {} holds codecs {:#x}/{:#x} (flags {}, {} rows), not format {}",
@@ -228,7 +241,8 @@ void PooledKvCache::plan(int n) {
         step->view[static_cast<std::size_t>(b)] = cur;
         step->view_k[static_cast<std::size_t>(b)] = info.k;
         step->view_v[static_cast<std::size_t>(b)] = info.v;
-        const bool requantize = converts && (info.k != tk || info.v != tv);
+        const bool demoted = !hot && format_.mixed() && info.k == format_.lo_k && info.v == format_.lo_v;
+        const bool requantize = converts && !demoted && (info.k != tk || info.v != tv);
         if (!touched && !requantize) continue;
         w.src = cur;
         w.sk = info.k;
@@ -275,9 +289,7 @@ void PooledKvCache::plan(int n) {
 const std::byte* PooledKvCache::pass_tile(int b, int kind, int layer, int kv_head) const {
   const int slot = step_->view_slot[static_cast<std::size_t>(b) * 2 + static_cast<std::size_t>(kind)];
   if (slot < 0) return pool_->tile(step_->view[static_cast<std::size_t>(b)], kind, layer, kv_head);
-  const std::size_t i = (static_cast<std::size_t>(slot) * 2 + static_cast<std::size_t>(kind)) *
-                            static_cast<std::size_t>(shape().n_kv_heads) + static_cast<std::size_t>(kv_head);
-  return step_->pass_tiles.data() + i * step_->pass_tile_bytes;
+  return step_->pass_copy(slot, kind, kv_head, shape().n_kv_heads);
 }
 
 void PooledKvCache::write(int layer, int n, const float* k, const float* v) {
@@ -342,7 +354,7 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
         if (w.slot >= 0) {  // the pass reads these rows at the hot precision
           const KvCodec hc = hot_codec(dc);
           const TileLayout hl = tile_layout(hc, T, D);
-          std::byte* copy = const_cast<std::byte*>(pass_tile(w.block, kind, layer, h));
+          std::byte* copy = step_->pass_copy(w.slot, kind, h, s.n_kv_heads);
           for (int r = 0; r < T; ++r) kv::encode_row(hc, hl, &rows[static_cast<std::size_t>(r) * D], r, copy);
         }
       } else {
@@ -356,6 +368,14 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   const KvShape& s = shape();
   QKV_CHECK(step_ && step_->n == n && step_->next_layer == layer + 1);
   if (segments_.size() > 1) return plan_segments(layer, n, q, out);
+  if (format_.mixed()) {  // demote()'s observation window
+    const int m = std::min(n, kObservedQueries), qd = s.q_dim();
+    step_->obs_rows = m;
+    step_->obs.resize(static_cast<std::size_t>(m) * static_cast<std::size_t>(s.n_layers) * static_cast<std::size_t>(qd));
+    for (int t = 0; t < m; ++t)
+      std::memcpy(&step_->obs[(static_cast<std::size_t>(t) * s.n_layers + static_cast<std::size_t>(layer)) * qd],
+                  q + static_cast<std::ptrdiff_t>(n - m + t) * qd, sizeof(float) * static_cast<std::size_t>(qd));
+  }
   const int blocks = static_cast<int>(step_->view.size());
   std::vector<const std::byte*>& tiles = attend_tiles_;
   tiles.resize(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(s.n_kv_heads) * 2);
@@ -472,9 +492,79 @@ void PooledKvCache::commit(int n) {
     pool_->set_fill(w.dst, std::clamp(size_ - base_ + n - w.block * T, 0, T));
     if (w.fresh && w.src.valid()) pool_->release(w.src);
   }
+  if (step_->obs_rows > 0) {
+    const std::size_t row = step_->obs.size() / static_cast<std::size_t>(step_->obs_rows);
+    observed_.insert(observed_.end(), step_->obs.begin(), step_->obs.end());
+    for (int t = 0; t < step_->obs_rows; ++t) observed_pos_.push_back(size_ + n - step_->obs_rows + t);
+    const std::size_t extra = observed_pos_.size() > static_cast<std::size_t>(kObservedQueries)
+                                  ? observed_pos_.size() - static_cast<std::size_t>(kObservedQueries) : 0;
+    observed_pos_.erase(observed_pos_.begin(), observed_pos_.begin() + static_cast<std::ptrdiff_t>(extra));
+    observed_.erase(observed_.begin(), observed_.begin() + static_cast<std::ptrdiff_t>(extra * row));
+  }
   size_ += n;
   segments_.back() = KvSegment{0, step_->view, 0, size_ - base_};
   step_.reset();
+}
+
+int PooledKvCache::demote() {
+  QKV_CHECK(!step_);
+  if (!format_.mixed() || segments_.size() != 1 || observed_pos_.empty()) return 0;
+  const KvShape& s = shape();
+  const int T = pool_->block_tokens(), D = s.head_dim, qd = s.q_dim(), L = s.n_layers;
+  const int group = s.n_heads / s.n_kv_heads;
+  std::vector<BlockRef>& blocks = segments_[0].blocks;
+  const int nb = static_cast<int>(blocks.size());
+  // Importance: the attention mass each block's tokens receive from the observed queries.
+  std::vector<double> importance(static_cast<std::size_t>(nb), 0.0);
+  std::vector<float> keys(static_cast<std::size_t>(size_) * D), p(static_cast<std::size_t>(size_)), q(static_cast<std::size_t>(D));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int l = 0; l < L; ++l)
+    for (int kh = 0; kh < s.n_kv_heads; ++kh) {
+      read_rows(l, 0, kh, 0, size_, keys.data());
+      for (std::size_t w = 0; w < observed_pos_.size(); ++w) {
+        const int n_keys = std::min(observed_pos_[w] + 1, size_);
+        for (int g = 0; g < group; ++g) {
+          const float* src = &observed_[(w * static_cast<std::size_t>(L) + static_cast<std::size_t>(l)) * qd +
+                                        static_cast<std::size_t>((kh * group + g) * D)];
+          std::copy(src, src + D, q.begin());
+          if (format_.rotate_k) kv::rotate(q.data(), D);  // the keys are stored rotated
+          for (int j = 0; j < n_keys; ++j)
+            p[static_cast<std::size_t>(j)] = kernels::dot_f32(q.data(), &keys[static_cast<std::size_t>(j) * D], D) * scale;
+          kernels::softmax(p.data(), n_keys);
+          for (int j = 0; j < n_keys; ++j) importance[static_cast<std::size_t>(j / T)] += p[static_cast<std::size_t>(j)];
+        }
+      }
+    }
+  // The cold blocks by importance; all but the top share end in the lo codecs.
+  std::vector<int> cold;
+  for (int b = 0; b < nb; ++b)
+    if (!format_.block_is_hot(b, size_, T)) cold.push_back(b);
+  std::stable_sort(cold.begin(), cold.end(), [&](int a, int b) {
+    return importance[static_cast<std::size_t>(a)] > importance[static_cast<std::size_t>(b)];
+  });
+  std::vector<float> rows(static_cast<std::size_t>(T) * D);
+  int recoded = 0;
+  for (std::size_t i = static_cast<std::size_t>(format_.kept_blocks(static_cast<int>(cold.size()))); i < cold.size(); ++i) {
+    BlockRef& ref = blocks[static_cast<std::size_t>(cold[i])];
+    const BlockInfo info = pool_->info(ref);
+    if (info.k != format_.k || info.v != format_.v) continue;  // demoted already
+    const BlockRef lo = pool_->allocate(format_.lo_k, format_.lo_v, block_flags());
+    for (int kind = 0; kind < 2; ++kind) {
+      const KvCodec& from = kind == 0 ? info.k : info.v;
+      const KvCodec& to = kind == 0 ? format_.lo_k : format_.lo_v;
+      const TileLayout fl = tile_layout(from, T, D), tl = tile_layout(to, T, D);
+      for (int l = 0; l < L; ++l)
+        for (int kh = 0; kh < s.n_kv_heads; ++kh) {
+          kv::decode_tile_scalar(from, fl, pool_->tile(ref, kind, l, kh), T, rows.data());
+          kv::encode_tile(to, tl, rows.data(), pool_->tile(lo, kind, l, kh));
+        }
+    }
+    pool_->set_fill(lo, T);
+    pool_->release(ref);
+    ref = lo;
+    ++recoded;
+  }
+  return recoded;
 }
 
 }  // namespace qkvshare

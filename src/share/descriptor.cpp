@@ -2,6 +2,8 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -24,7 +26,8 @@ enum Offset : std::size_t {
   kOffKCodec = 68, kOffVCodec = 72, kOffWindow = 76, kOffSink = 80, kOffFormatFlags = 84,
   kOffModelFp = 88, kOffTokenizerFp = 104,
   kOffBlocksSum = 112, kOffTableSum = 120, kOffTokensSum = 128, kOffCreated = 136,
-  kOffProducer = 144, kOffGrantee = 176, kOffCapability = 208, kOffReserved = 224, kOffSelfSum = 248,
+  kOffProducer = 144, kOffGrantee = 176, kOffCapability = 208,
+  kOffLoKCodec = 224, kOffLoVCodec = 228, kOffTop = 232, kOffReserved = 236, kOffSelfSum = 248,
 };
 static_assert(kOffCapability == kCapabilityOffset && kOffSelfSum + 8 == kDescriptorBytes);
 constexpr std::uint32_t kMaxTokens = 1u << 24;
@@ -96,6 +99,16 @@ std::optional<KvFormat> Descriptor::format() const {
   f.sink = static_cast<int>(sink);
   f.rotate_k = (format_flags & 1u) != 0;
   f.rotate_v = (format_flags & 2u) != 0;
+  if (top_millionths != 0) {
+    try {
+      f.lo_k = KvCodec::unpack(lo_k_codec);
+      f.lo_v = KvCodec::unpack(lo_v_codec);
+    } catch (const Error&) {
+      return std::nullopt;
+    }
+    if (!f.lo_k.quantized() || !f.lo_v.quantized()) return std::nullopt;
+    f.top = static_cast<double>(top_millionths) / 1e6;
+  }
   return f;
 }
 
@@ -105,6 +118,9 @@ void Descriptor::set_format(const KvFormat& f) {
   window = static_cast<std::uint32_t>(f.window);
   sink = static_cast<std::uint32_t>(f.sink);
   format_flags = (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u);
+  lo_k_codec = f.mixed() ? f.lo_k.pack() : 0;
+  lo_v_codec = f.mixed() ? f.lo_v.pack() : 0;
+  top_millionths = f.mixed() ? static_cast<std::uint32_t>(std::clamp(std::lround(f.top * 1e6), 1L, 999999L)) : 0;
 }
 
 DescriptorBytes Descriptor::encode() const {
@@ -137,6 +153,9 @@ DescriptorBytes Descriptor::encode() const {
   put_id(b, kOffProducer, producer);
   put_id(b, kOffGrantee, grantee);
   std::memcpy(&b[kOffCapability], capability.data(), capability.size());
+  put_u32(b, kOffLoKCodec, lo_k_codec);
+  put_u32(b, kOffLoVCodec, lo_v_codec);
+  put_u32(b, kOffTop, top_millionths);
   put_u64(b, kOffSelfSum, XXH3_64bits(b.data(), kOffSelfSum));
   return b;
 }
@@ -184,6 +203,12 @@ Descriptor Descriptor::decode(std::span<const std::uint8_t> b, std::string_view 
   d.producer = get_id(b, kOffProducer, source, "producer");
   d.grantee = get_id(b, kOffGrantee, source, "grantee");
   std::memcpy(d.capability.data(), &b[kOffCapability], d.capability.size());
+  d.lo_k_codec = get_u32(b, kOffLoKCodec);
+  d.lo_v_codec = get_u32(b, kOffLoVCodec);
+  d.top_millionths = get_u32(b, kOffTop);
+  if (d.top_millionths > 999999 || (d.top_millionths == 0 && (d.lo_k_codec != 0 || d.lo_v_codec != 0)))
+    fail(ErrorCode::bad_descriptor, "{}: mixed-precision share {} (millionths) with low codecs {:#x}/{:#x} is not valid",
+         source, d.top_millionths, d.lo_k_codec, d.lo_v_codec);
 
   if (d.token_count == 0 || d.token_count > kMaxTokens)
     fail(ErrorCode::bad_descriptor, "{}: token count {} is outside [1, {}]", source, d.token_count, kMaxTokens);
@@ -214,6 +239,9 @@ std::string Descriptor::json() const {
   const auto f = format();
   j["kv_format"] = f ? nlohmann::json(f->to_string()) : nlohmann::json(nullptr);
   j["kv_codecs"] = {{"k", fmt::format("{:#010x}", k_codec)}, {"v", fmt::format("{:#010x}", v_codec)}};
+  if (top_millionths != 0)
+    j["mixed"] = {{"lo_k", fmt::format("{:#010x}", lo_k_codec)}, {"lo_v", fmt::format("{:#010x}", lo_v_codec)},
+                  {"top", static_cast<double>(top_millionths) / 1e6}};
   j["model_fingerprint"] = fingerprint.hex();
   j["tokenizer_fingerprint"] = fmt::format("{:016x}", fingerprint.tokenizer);
   j["checksums"] = {{"blocks", fmt::format("{:016x}", blocks_checksum)},

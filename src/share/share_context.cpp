@@ -42,6 +42,9 @@ Descriptor descriptor_of(const ShareHeader& h, const ContextRecord& rec, std::ui
   d.window = rec.window;
   d.sink = rec.sink;
   d.format_flags = rec.format_flags;
+  d.lo_k_codec = rec.lo_k_codec;
+  d.lo_v_codec = rec.lo_v_codec;
+  d.top_millionths = rec.top_millionths;
   std::memcpy(d.fingerprint.model.data(), rec.model_fp, sizeof rec.model_fp);
   d.fingerprint.tokenizer = rec.tokenizer_fp;
   d.blocks_checksum = rec.blocks_checksum;
@@ -104,7 +107,8 @@ void SharePool::Impl::validate_locked(const Descriptor& d, std::string_view agen
     fail(ErrorCode::bad_descriptor, "descriptor is stale: this grant of context {} was released", d.context_id);
   if (rec.token_count != d.token_count || rec.block_count != d.block_count || rec.block_tokens != d.block_tokens ||
       rec.k_codec != d.k_codec || rec.v_codec != d.v_codec || rec.window != d.window || rec.sink != d.sink ||
-      rec.format_flags != d.format_flags || std::memcmp(rec.model_fp, d.fingerprint.model.data(), 16) != 0 ||
+      rec.format_flags != d.format_flags || rec.lo_k_codec != d.lo_k_codec || rec.lo_v_codec != d.lo_v_codec ||
+      rec.top_millionths != d.top_millionths || std::memcmp(rec.model_fp, d.fingerprint.model.data(), 16) != 0 ||
       rec.tokenizer_fp != d.fingerprint.tokenizer || rec.table_checksum != d.table_checksum ||
       rec.tokens_checksum != d.tokens_checksum || record_producer(rec) != d.producer)
     fail(ErrorCode::bad_descriptor, "descriptor of context {} does not match its record in pool '{}'", d.context_id,
@@ -120,9 +124,18 @@ void SharePool::Impl::admit_locked(const Descriptor& d, std::string_view agent, 
   }
 }
 
-SealedContext SharePool::seal(const PooledKvCache& cache, std::span<const TokenId> tokens, std::string_view text,
-                              const ModelFingerprint& fp, std::string_view producer) {
+SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<const TokenId> tokens,
+                              std::string_view text, const ModelFingerprint& fp, std::string_view producer) {
   validate_agent_id(producer, "seal");
+  // A mixed format ships demoted: a fork of the producer's context, with its
+  // least attended blocks recoded, is what the record holds; the producer
+  // keeps its own blocks (and their precision) for as long as it runs.
+  std::unique_ptr<PooledKvCache> demoted;
+  if (producer_cache.format().mixed()) {
+    demoted = producer_cache.fork();
+    demoted->demote();
+  }
+  const PooledKvCache& cache = demoted ? *demoted : producer_cache;
   impl_->maybe_reap();
   std::shared_ptr<KvPool> pool;
   {
@@ -196,6 +209,13 @@ SealedContext SharePool::seal(const PooledKvCache& cache, std::span<const TokenI
   rec.window = static_cast<std::uint32_t>(f.window);
   rec.sink = static_cast<std::uint32_t>(f.sink);
   rec.format_flags = (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u);
+  {
+    Descriptor mixed;  // the one encoding of a format's mixed-precision fields
+    mixed.set_format(f);
+    rec.lo_k_codec = mixed.lo_k_codec;
+    rec.lo_v_codec = mixed.lo_v_codec;
+    rec.top_millionths = mixed.top_millionths;
+  }
   std::memcpy(rec.model_fp, fp.model.data(), sizeof rec.model_fp);
   rec.tokenizer_fp = fp.tokenizer;
   rec.blocks_checksum = XXH3_64bits(digests.data(), digests.size() * sizeof(std::uint64_t));

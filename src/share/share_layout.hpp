@@ -83,7 +83,8 @@ struct ContextRecord {
   std::uint64_t created_unix_ns;
   char producer[32];
   std::uint32_t position_begin;  // where the first token's key was rotated (a spliced context's tail)
-  std::uint8_t pad[28];
+  std::uint32_t lo_k_codec, lo_v_codec, top_millionths;  // mixed precision (Descriptor's fields); 0 otherwise
+  std::uint8_t pad[16];
 };
 static_assert(sizeof(ContextRecord) == 192);
 

@@ -102,6 +102,21 @@ TEST(KvEval, HandoffProtocolContinuesTheProducersBlocks) {
   }
   EXPECT_NEAR(chunked.results[0].ppl, prefill.results[0].ppl, 1e-4 * prefill.results[0].ppl);  // f32: rounding only
   EXPECT_NE(chunked.results[2].ppl, prefill.results[2].ppl);  // int4
+  // A mixed format is demoted when the producer hands its half off: what ships
+  // lies between its two precisions; the scored window (the consumer's own
+  // blocks at the high precision) is larger.
+  const std::vector<KvFormat> mixed{KvFormat::parse("int2"), KvFormat::parse("int8:lo=int2:top=0.25")};
+  o.block_tokens = 8;
+  const EvalReport m = evaluate_kv(engine, tokens, mixed, o);
+  ASSERT_EQ(m.results.size(), 3u);
+  const EvalFormatResult &lo = m.results[1], &mix = m.results[2];
+  EXPECT_GT(mix.handoff_bits_per_element, lo.bits_per_element);
+  EXPECT_LT(mix.handoff_bits_per_element, mix.bits_per_element);
+  EXPECT_LT(mix.mean_kl, lo.mean_kl);
+  o.protocol = EvalProtocol::prefill;
+  EXPECT_THROW(evaluate_kv(engine, tokens, mixed, o), Error);  // demotion happens at handoff
+  o.protocol = EvalProtocol::handoff;
+  o.block_tokens = 32;
   // The consumer's half needs a producer's half.
   o.score_all = true;
   EXPECT_THROW(evaluate_kv(engine, tokens, formats, o), Error);

@@ -29,7 +29,8 @@ TEST(KvFormat, NamedFormatsParseToKiviDefaults) {
 TEST(KvFormat, ToStringRoundTrips) {
   for (const char* text : {"f32", "f16", "int8", "int4", "int3", "int2", "k8v4", "k16v2", "k32v16",
                            "int8:kaxis=token", "int4:kaxis=token:kgroup=32", "int2:window=128:sink=32",
-                           "int4:vgroup=64", "int3:rot=kv", "k4v2:window=32:rot=v"}) {
+                           "int4:vgroup=64", "int3:rot=kv", "k4v2:window=32:rot=v", "int8:lo=int2:top=0.2",
+                           "k8v4:window=64:sink=32:lo=k4v2:top=0.35"}) {
     const KvFormat f = KvFormat::parse(text);
     EXPECT_EQ(f.to_string(), text);
     EXPECT_EQ(KvFormat::parse(f.to_string()), f) << text;
@@ -57,6 +58,38 @@ TEST(KvFormat, BadTextNamesThePart) {
   EXPECT_NE(message("f16:kaxis=token").find("kaxis"), std::string::npos);
   EXPECT_NE(message("int4:vgroup=12").find("vgroup"), std::string::npos);
   EXPECT_NE(message("").find("unknown name"), std::string::npos);
+  EXPECT_NE(message("int8:lo=int2").find("both lo=NAME and top=F"), std::string::npos);
+  EXPECT_NE(message("int8:top=0.2").find("both lo=NAME and top=F"), std::string::npos);
+  EXPECT_NE(message("int8:lo=f16:top=0.2").find("lo must name an integer format"), std::string::npos);
+  EXPECT_NE(message("int8:lo=int5:top=0.2").find("lo must name"), std::string::npos);
+  EXPECT_NE(message("int8:lo=int2:top=1.5").find("top must be a share"), std::string::npos);
+  EXPECT_NE(message("int8:lo=int2:top=0.2x").find("top must be a share"), std::string::npos);
+  EXPECT_NE(message("f16:lo=int2:top=0.2").find("integer high-precision"), std::string::npos);
+  EXPECT_NE(message("mixed:lo=int2:top=0.2").find("hi=NAME first"), std::string::npos);
+}
+
+// Mixed precision: `mixed:hi=` names the same format; its bytes lie between
+// those of its two precisions, with the top share of cold blocks kept high.
+TEST(KvFormat, MixedPrecisionFormats) {
+  const KvFormat m = KvFormat::parse("mixed:hi=int8:lo=int2:top=0.25:vgroup=16");
+  EXPECT_EQ(m, KvFormat::parse("int8:vgroup=16:lo=int2:top=0.25"));
+  EXPECT_TRUE(m.mixed());
+  EXPECT_EQ(m.k, KvFormat::parse("int8").k);
+  EXPECT_EQ(m.lo_k, KvFormat::parse("int2").k);
+  EXPECT_EQ(m.lo_v.group, 16);  // vgroup applies to both precisions
+  EXPECT_EQ(m.kept_blocks(8), 2);
+  EXPECT_EQ(m.kept_blocks(9), 3);
+  EXPECT_EQ(m.kept_blocks(0), 0);
+  EXPECT_FALSE(KvFormat::parse("int8").mixed());
+  EXPECT_EQ(KvFormat::parse("int8").kept_blocks(7), 7);
+  const KvShape s{4, 8, 2, 64};
+  const std::size_t hi = KvFormat::parse("int8:vgroup=16").context_bytes(s, 32, 1024);
+  const std::size_t lo = KvFormat::parse("int2:vgroup=16").context_bytes(s, 32, 1024);
+  const std::size_t mixed = m.context_bytes(s, 32, 1024);
+  EXPECT_GT(mixed, lo);
+  EXPECT_LT(mixed, hi);
+  // 32 cold blocks: 8 at 8 bits, 24 at 2 bits.
+  EXPECT_EQ(mixed, (hi / 32) * 8 + (lo / 32) * 24);
 }
 
 TEST(KvFormat, CodecPacksAndRejectsGarbage) {

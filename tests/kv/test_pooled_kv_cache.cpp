@@ -168,6 +168,58 @@ TEST(PooledKvCache, APassReadsItsOwnTokensHotAndLaterPassesTheirCodes) {
   }
 }
 
+// Mixed precision: demote() keeps the blocks that the last queries attend to
+// most in the high precision and recodes the other cold ones; sinks, window and
+// tail stay hot, a fork keeps the blocks it shared, the demoted blocks are
+// adopted and never requantized by later passes, and nothing leaks.
+TEST(PooledKvCache, DemoteKeepsTheBlocksTheLastQueriesAttendTo) {
+  ThreadPool threads(2);
+  const KvShape s{2, 6, 3, 16};
+  const int T = 8, n = 80;  // 10 full blocks: sink 0, window 9, 8 cold
+  const KvFormat f = KvFormat::parse("int8:sink=8:window=8:lo=int2:top=0.25");
+  auto pool = KvPool::create(PoolConfig{s, T, KvPool::arena_bytes_for(s, T, f, 128, 4)});
+  {
+    auto pass = testing::random_pass(s, n, 21);
+    // The last 16 queries point along one direction per head; the keys of blocks 3 and 6 along it.
+    for (int l = 0; l < s.n_layers; ++l)
+      for (int t = 0; t < n; ++t) {
+        for (int h = 0; h < s.n_kv_heads; ++h) {
+          float* k = &pass.k[static_cast<std::size_t>(l)][(static_cast<std::size_t>(t) * s.n_kv_heads + h) * s.head_dim];
+          if (t / T == 3 || t / T == 6)
+            for (int c = 0; c < s.head_dim; ++c) k[c] = c == h ? 6.0f : 0.0f;
+        }
+        if (t >= n - 16)
+          for (int qh = 0; qh < s.n_heads; ++qh) {
+            float* q = &pass.q[static_cast<std::size_t>(l)][(static_cast<std::size_t>(t) * s.n_heads + qh) * s.head_dim];
+            for (int c = 0; c < s.head_dim; ++c) q[c] = c == qh / (s.n_heads / s.n_kv_heads) ? 3.0f : 0.0f;
+          }
+      }
+    PooledKvCache cache(pool, f, 128);
+    run_pass(cache, pass, n, threads);
+    const auto before = cache.fork();
+    const std::vector<BlockRef> shared = before->segments()[0].blocks;
+    EXPECT_EQ(cache.demote(), 6);
+    const auto& blocks = cache.segments()[0].blocks;
+    for (int b = 0; b < 10; ++b) {
+      const BlockInfo info = pool->info(blocks[static_cast<std::size_t>(b)]);
+      const KvCodec want = b == 0 || b == 9 ? KvCodec::f16() : b == 3 || b == 6 ? f.k : f.lo_k;
+      EXPECT_EQ(info.k, want) << "block " << b;
+      EXPECT_EQ(pool->info(shared[static_cast<std::size_t>(b)]).k, b == 0 || b == 9 ? KvCodec::f16() : f.k) << b;
+    }
+    EXPECT_EQ(cache.demote(), 0);  // the same choice again: nothing left to recode
+    // The demoted blocks are adopted as they are, and later passes leave them so.
+    auto adopted = PooledKvCache::adopt(pool, f, 128, cache.segments(), n);
+    run_pass(*adopted, testing::random_pass(s, 20, 22), 20, threads);
+    EXPECT_EQ(pool->info(adopted->segments()[0].blocks[1]).k, f.lo_k);
+    EXPECT_EQ(pool->info(adopted->segments()[0].blocks[3]).k, f.k);
+    // One precision, or no observed queries: nothing to do.
+    PooledKvCache plain(pool, KvFormat::parse("int8"), 128);
+    run_pass(plain, testing::random_pass(s, 40, 23), 40, threads);
+    EXPECT_EQ(plain.demote(), 0);
+  }
+  EXPECT_EQ(pool->counters().blocks_used, 0u);
+}
+
 TEST(PooledKvCache, ThousandsOfContextsLeakNothing) {
   ThreadPool threads(1);
   const KvShape s{2, 4, 2, 8};

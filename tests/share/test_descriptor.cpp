@@ -66,6 +66,18 @@ TEST(Descriptor, RoundTripsEveryField) {
   EXPECT_EQ(e.capability, d.capability);
 }
 
+TEST(Descriptor, RoundTripsAMixedPrecisionFormat) {
+  Descriptor d = sample();
+  const KvFormat f = KvFormat::parse("int8:sink=32:lo=k4v2:top=0.2");
+  d.set_format(f);
+  const DescriptorBytes b = d.encode();
+  EXPECT_EQ(b[232] | b[233] << 8 | b[234] << 16, 200000);  // the share in millionths, little-endian
+  const Descriptor e = Descriptor::decode(b);
+  ASSERT_TRUE(e.format().has_value());
+  EXPECT_EQ(*e.format(), f);
+  EXPECT_EQ(nlohmann::json::parse(e.json())["mixed"]["top"], 0.2);
+}
+
 TEST(Descriptor, LayoutIsFixedLittleEndian) {
   const DescriptorBytes b = sample().encode();
   EXPECT_EQ(0, std::memcmp(b.data(), "QKVDESC\0", 8));
@@ -128,7 +140,9 @@ TEST(Descriptor, RejectsInconsistentFieldsEvenWithAValidChecksum) {
   EXPECT_NE(edit(60, 33).find("power of two"), std::string::npos);        // block size
   EXPECT_NE(edit(64, 5).find("blocks cannot hold"), std::string::npos);   // block count
   EXPECT_NE(edit(12, 1).find("flags"), std::string::npos);
-  EXPECT_NE(edit(230, 1).find("reserved"), std::string::npos);
+  EXPECT_NE(edit(240, 1).find("reserved"), std::string::npos);
+  EXPECT_NE(edit(230, 1).find("mixed-precision"), std::string::npos);  // low codecs without a share
+  EXPECT_NE(edit(235, 1).find("mixed-precision"), std::string::npos);  // a share above 999999 millionths
   DescriptorBytes m = b;
   std::memset(&m[144], 0, 32);
   reseal(m);

@@ -2,6 +2,7 @@
 // fork, lifetime (release, revoke, stale descriptors) and the text fallback.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "qkvshare/core/error.hpp"
@@ -72,6 +73,40 @@ TEST_F(Handoff, ContinuingIsIdenticalToTheProducerContinuingForEveryFormat) {
     pool_->release(d, "B");
   }
   EXPECT_EQ(pool_->stats().contexts, 0);
+}
+
+// A mixed format ships demoted (a fork's least attended cold blocks recoded),
+// its consumer opens the KV, and the producer keeps its own blocks.
+TEST_F(Handoff, AMixedFormatShipsDemotedAndTheProducerKeepsItsPrecision) {
+  const KvFormat f = KvFormat::parse("int8:lo=int2:top=0.25");
+  auto producer = new_pooled_session(*pool_, *engine_, f, 512);
+  std::vector<TokenId> ids = prompt_;
+  while (ids.size() < 150) ids.insert(ids.end(), more_.begin(), more_.end());
+  ids.resize(150);  // 4 full blocks of 32 and a tail
+  engine_->forward(*producer, ids);
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+  const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
+  pool_->release(sealed);
+  ASSERT_TRUE(d.format().has_value());
+  EXPECT_EQ(*d.format(), f);
+  HandoffResult r = open_session(*pool_, *engine_, fp_, d, "B", {HandoffMode::kv});
+  ASSERT_TRUE(r.kv);
+  const auto count = [&](const Session& s, const KvCodec& k) {
+    int n = 0;
+    for (const KvSegment& seg : dynamic_cast<const PooledKvCache&>(s.cache()).segments())
+      for (const BlockRef b : seg.blocks) n += pool_->kv_pool_if_any()->info(b).k == k;
+    return n;
+  };
+  EXPECT_EQ(count(*r.session, f.lo_k), 3);  // of 4 cold blocks, the top quarter stays int8
+  EXPECT_EQ(count(*r.session, f.k), 1);
+  EXPECT_EQ(count(*producer, f.k), 4);
+  EXPECT_EQ(count(*producer, f.lo_k), 0);
+  for (const float x : continue_with(*r.session, more_)) ASSERT_TRUE(std::isfinite(x));
+  pool_->release(d, "B");
+  r.session.reset();
+  producer.reset();
+  EXPECT_EQ(pool_->stats().contexts, 0);
+  EXPECT_EQ(blocks_used(), 0u);
 }
 
 TEST_F(Handoff, ContextOutlivesItsProducerAndMatchesAFreshRun) {

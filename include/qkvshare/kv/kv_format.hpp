@@ -81,13 +81,26 @@ struct KvFormat {
   int sink = 0;    // the first `sink` tokens stay hot (whole blocks)
   bool rotate_k = false;
   bool rotate_v = false;
+  // Importance-aware mixed precision (PooledKvCache::demote, when a context is
+  // sealed or handed off): of the cold blocks, the `top` share that received
+  // the most attention keeps k/v; the others are recoded to lo_k/lo_v.
+  // top == 1: one precision.
+  KvCodec lo_k = KvCodec::f16();
+  KvCodec lo_v = KvCodec::f16();
+  double top = 1.0;
 
   bool operator==(const KvFormat&) const = default;
+  bool mixed() const noexcept { return top < 1.0; }
+  // Cold blocks that keep k/v out of `cold` when the context is demoted.
+  int kept_blocks(int cold) const noexcept;
 
   // Syntax: NAME[:option=value]... with NAME one of f32, f16, int8, int4, int3,
   // int2 (same bits for K and V) or kXvY (X, Y in 32, 16, 8, 4, 3, 2), and
   // options window=N, sink=N (tokens), kaxis=channel|token, kgroup=N,
-  // vgroup=N, rot=none|k|v|kv. Throws Error(invalid_argument) naming the part.
+  // vgroup=N, rot=none|k|v|kv, and lo=NAME:top=F (mixed precision: NAME an
+  // integer name as above, 0 < F < 1; vgroup applies to both precisions).
+  // `mixed:hi=NAME:lo=NAME:top=F` is the same with the high precision named.
+  // Throws Error(invalid_argument) naming the part.
   static KvFormat parse(std::string_view text);
   // Canonical text; parse(to_string()) == *this.
   std::string to_string() const;
@@ -96,7 +109,8 @@ struct KvFormat {
   void validate(const KvShape& shape, int block_tokens) const;
   // Bits per stored element of a full cold block (codes, scales and mins).
   double cold_bits(int block_tokens, int head_dim) const;
-  // KV bytes of a context of `tokens` tokens with hot blocks counted.
+  // KV bytes of a context of `tokens` tokens with hot blocks counted (and,
+  // for a mixed format, its cold blocks as demote() leaves them).
   std::size_t context_bytes(const KvShape& shape, int block_tokens, int tokens) const;
   // Which blocks are hot once `tokens` tokens are stored.
   bool block_is_hot(int block, int tokens, int block_tokens) const noexcept;

@@ -115,6 +115,21 @@ class PooledKvCache final : public KvCache {
   // committed tokens [first, first + count): what the splice guard compares.
   void read_rows(int layer, int kind, int kv_head, int first, int count, float* out) const;
 
+  // Mixed formats (KvFormat::mixed): recodes the cold blocks that received
+  // the least attention to the format's lo codecs, keeping the `top` share in
+  // k/v; sinks, the window and the tail stay hot. Importance is the softmax
+  // attention that the context's last kObservedQueries queries (every layer
+  // and query head: SnapKV's observation window) give each block's tokens,
+  // computed from the stored keys. Called when a context is sealed or handed
+  // off, so the producer's whole context is known. A demoted block is a new
+  // block (a fork sharing the old one keeps it); at most one extra block is
+  // held at a time; pool exhaustion throws Error(out_of_memory) with the
+  // context intact (the blocks recoded so far stay recoded). Returns the
+  // blocks recoded: 0 for one-precision formats, a context with spliced
+  // segments, or one whose queries this cache did not see.
+  int demote();
+  static constexpr int kObservedQueries = 16;
+
   const KvFormat& format() const noexcept { return format_; }
   const std::vector<KvSegment>& segments() const noexcept { return segments_; }
   KvPool& pool() const noexcept { return *pool_; }
@@ -145,6 +160,9 @@ class PooledKvCache final : public KvCache {
   AttendPath path_ = AttendPath::automatic;
   PassPrecision pass_precision_ = default_pass_precision();
   std::vector<float> rotated_;  // k/v rows of a write, rotated per head
+  // Mixed formats: the last kObservedQueries committed queries, [n][n_layers][q_dim], and their positions.
+  std::vector<float> observed_;
+  std::vector<int> observed_pos_;
   // The planned attention and the tile pointers it reads (one plan at a time per cache).
   std::unique_ptr<kv::BlockAttend> attend_work_;
   std::unique_ptr<kv::SegmentAttend> segment_work_;  // a spliced context's plan

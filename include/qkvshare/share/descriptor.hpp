@@ -52,6 +52,14 @@ struct Descriptor {
   std::uint64_t created_unix_ns = 0;
   std::string producer, grantee;      // agent ids, 1..32 bytes of [A-Za-z0-9_.:@-]
   std::array<std::uint8_t, kCapabilityBytes> capability{};
+  // Mixed-precision formats (KvFormat::lo_k/lo_v/top; all 0 otherwise), in
+  // bytes 224..235 (once reserved), after the capability tag and so not
+  // covered by it: they only name codecs, which adopt() checks against every
+  // block's own header, so an edited value can make the open fail, not read
+  // a block wrongly. A build that predates them rejects such a descriptor
+  // (reserved bytes not zero) and its consumer falls back to text.
+  std::uint32_t lo_k_codec = 0, lo_v_codec = 0;
+  std::uint32_t top_millionths = 0;  // KvFormat::top * 1e6, in [1, 999999]
 
   // nullopt when a codec or flag is unknown to this build.
   std::optional<KvFormat> format() const;
