@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -57,18 +58,19 @@ std::vector<KvFormat> parse_formats(const std::string& text) {
   return out;
 }
 
-void print_table(const EvalReport& r, bool decode) {
-  std::printf("%-28s %8s %9s %10s %8s %9s %9s %7s %9s", "format", "bits/el", "KV B/tok", "PPL", "delta %", "mean KL",
-              "p99 KL", "top-1", "prefill/s");
+void print_table(const EvalReport& r, bool decode, bool handoff) {
+  std::printf("%-28s %8s", "format", "bits/el");
+  if (handoff) std::printf(" %8s", "shipped");
+  std::printf(" %9s %10s %8s %9s %9s %7s %9s", "KV B/tok", "PPL", "delta %", "mean KL", "p99 KL", "top-1", "prefill/s");
   std::printf(decode ? " %9s\n" : "\n", "decode/s");
   for (const EvalFormatResult& f : r.results) {
+    std::printf("%-28s %8.2f", f.format.c_str(), f.bits_per_element);
+    if (handoff) std::printf(" %8.2f", f.handoff_bits_per_element);
     if (f.scored == 0) {  // --speed-only
-      std::printf("%-28s %8.2f %9s %10s %8s %9s %9s %7s %9s", f.format.c_str(), f.bits_per_element, "-", "-", "-", "-",
-                  "-", "-", "-");
+      std::printf(" %9s %10s %8s %9s %9s %7s %9s", "-", "-", "-", "-", "-", "-", "-");
     } else {
-      std::printf("%-28s %8.2f %9.0f %10.4f %+8.3f %9.6f %9.6f %6.2f%% %9.1f", f.format.c_str(), f.bits_per_element,
-                  f.kv_bytes_per_token, f.ppl, f.ppl_delta_pct, f.mean_kl, f.p99_kl, f.top1 * 100.0,
-                  f.prefill_tokens_per_s);
+      std::printf(" %9.0f %10.4f %+8.3f %9.6f %9.6f %6.2f%% %9.1f", f.kv_bytes_per_token, f.ppl, f.ppl_delta_pct,
+                  f.mean_kl, f.p99_kl, f.top1 * 100.0, f.prefill_tokens_per_s);
     }
     if (decode) std::printf(" %9.1f", f.decode_tokens_per_s);
     std::printf("\n");
@@ -117,7 +119,9 @@ void run_eval(const EvalArgs& a) {
   auto model = load_model(a.model);
   const auto tokens = model->tokenizer().encode(text);
   std::fprintf(stderr, "%s: %zu tokens\n", a.text_path.c_str(), tokens.size());
-  Engine engine(*model, engine_options(a.model));
+  EngineOptions eo = engine_options(a.model);
+  if (a.protocol == "handoff") eo.max_batch = std::max(eo.max_batch, a.chunk);  // a consumer chunk is one pass
+  Engine engine(*model, eo);
   EvalOptions o;
   o.ctx = a.ctx;
   if (a.speed_only && a.decode <= 0) fail(ErrorCode::invalid_argument, "--speed-only needs --decode N");
@@ -139,9 +143,9 @@ void run_eval(const EvalArgs& a) {
   std::printf("%s | %s | ctx %d | %ld windows | %ld tokens scored per format (%s) | protocol %s | %s activations%s\n",
               a.model.model_path.c_str(), a.text_path.c_str(), r.ctx, r.windows, r.scored,
               r.score_all ? "all positions" : "second half of each window", protocol.c_str(),
-              a.model.float_activations || a.model.exact_matmul ? "f32" : "8-bit",
+              a.model.float_activations || a.model.exact_matmul ? "f32" : "8-bit (on quantized weights)",
               a.model.kv_stored_in_pass ? " | passes read their own tokens as stored" : "");
-  print_table(r, a.decode > 0);
+  print_table(r, a.decode > 0, a.protocol == "handoff");
   if (!a.json_path.empty()) {
     std::ofstream out(a.json_path);
     if (!out) fail(ErrorCode::io, "--json {}: cannot write", a.json_path);
@@ -157,8 +161,8 @@ void register_eval(CLI::App& app) {
   add_model_args(*cmd, args->model);
   cmd->add_option("--text", args->text_path, "Text file to score")->required();
   cmd->add_option("--kv", args->kv,
-                  "KV formats, comma-separated (f32, f16, int8, int4, int3, int2, kXvY, with :window=N:sink=N:rot=kv...), "
-                  "or 'all'");
+                  "KV formats, comma-separated (f32, f16, int8, int4, int3, int2, kXvY, with :window=N:sink=N:rot=kv..., "
+                  "mixed precision with :lo=int2:top=0.2 under --protocol handoff), or 'all'");
   cmd->add_option("--ctx", args->ctx, "Window length in tokens")->check(CLI::Range(4, 1 << 20));
   cmd->add_option("--max-tokens", args->max_tokens, "Stop after about this many scored tokens (whole windows; 0: all)")
       ->check(CLI::Range(0L, 1L << 40));

@@ -127,7 +127,7 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
         // descriptor) and writes its own tokens after them, a chunk per pass.
         auto& sealed = static_cast<PooledKvCache&>(session.cache());
         sealed.demote();  // mixed formats: the producer's re-precision at handoff
-        if (a.format.mixed()) a.handoff_bits_sum += stored_bits(sealed);
+        a.handoff_bits_sum += stored_bits(sealed);
         consumer = std::make_unique<Session>(sealed.fork());
         consumer->note_placed(session.tokens());
         consumer_logits.resize(static_cast<std::size_t>(rows) * vocab);
@@ -189,10 +189,10 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
     EvalFormatResult r;
     r.format = a.format.to_string();
     r.bits_per_element = static_cast<double>(a.format.context_bytes(shape, o.block_tokens, o.ctx)) * 8.0 / elems;
-    if (a.format.mixed() && windows > 0) {  // as stored: the producer's half demoted, the consumer's own blocks not
-      r.bits_per_element = a.bits_sum / static_cast<double>(windows);
+    if (windows > 0 && o.protocol == EvalProtocol::handoff)
       r.handoff_bits_per_element = a.handoff_bits_sum / static_cast<double>(windows);
-    }
+    if (a.format.mixed() && windows > 0)  // as stored: the producer's half demoted, the consumer's own blocks not
+      r.bits_per_element = a.bits_sum / static_cast<double>(windows);
     r.cold_bits_per_element = a.format.cold_bits(o.block_tokens, shape.head_dim);
     r.kv_bytes_per_token = static_cast<double>(a.window_bytes) / (o.ctx - 1);
     r.scored = a.scored;

@@ -37,10 +37,10 @@ struct EvalFormatResult {
   std::string format;
   double bits_per_element = 0.0;     // stored bytes of a full window (codes, scales, mins, hot blocks) per element
   double cold_bits_per_element = 0.0;  // a full quantized block alone
-  // Mixed formats (handoff protocol), measured on the blocks: bits_per_element is
-  // then the scored window as stored (the producer's half demoted, the
-  // consumer's own blocks in the high precision), this the producer's context
-  // as handed off.
+  // Handoff protocol: the producer's context as handed off, measured on its
+  // blocks (whole blocks, hot ones included). For a mixed format
+  // bits_per_element is then measured too: the scored window as stored (the
+  // producer's half demoted, the consumer's own blocks in the high precision).
   double handoff_bits_per_element = 0.0;
   double kv_bytes_per_token = 0.0;   // pool pages a full window holds, per token (page padding included)
   double ppl = 0.0;
