@@ -50,7 +50,8 @@ struct Accumulator {
   double seconds = 0.0;
   long tokens_run = 0;
   std::size_t window_bytes = 0;
-  double bits_sum = 0, handoff_bits_sum = 0;  // mixed formats: measured per window
+  double bits_sum = 0;          // mixed formats: the scored window as stored, summed over windows
+  double handoff_bits_sum = 0;  // handoff protocol: the shipped context, summed over windows
 };
 
 }  // namespace
