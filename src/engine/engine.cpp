@@ -251,7 +251,7 @@ void Engine::project(std::initializer_list<std::pair<const TensorView*, float*>>
   std::array<kernels::MatmulOut, kernels::kMaxMatmulOuts> mo{};
   std::size_t k = 0;
   for (const auto& [w, y] : outs) {
-    const auto f = float_views_.find(w->data);
+    const auto f = float_views_.empty() ? float_views_.end() : float_views_.find(w->data);
     mo[k++] = kernels::MatmulOut{f == float_views_.end() ? w : &f->second, y};
   }
   kernels::matmul_multi(pool_, std::span<const kernels::MatmulOut>(mo.data(), k), x, n);

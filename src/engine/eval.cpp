@@ -34,7 +34,7 @@ double stored_bits(const PooledKvCache& cache) {
     for (const BlockRef b : seg.blocks) {
       const BlockInfo info = cache.pool().info(b);
       const TileLayout k = tile_layout(info.k, T, s.head_dim), v = tile_layout(info.v, T, s.head_dim);
-      bytes += static_cast<double>(k.code_bytes + k.param_bytes + v.code_bytes + v.param_bytes) * s.n_layers * s.n_kv_heads;
+      bytes += static_cast<double>(k.stored_bytes() + v.stored_bytes()) * s.n_layers * s.n_kv_heads;
     }
   return bytes * 8.0 / (static_cast<double>(cache.size()) * s.n_layers * s.kv_dim() * 2.0);
 }

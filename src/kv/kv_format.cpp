@@ -192,7 +192,7 @@ KvFormat KvFormat::parse(std::string_view text) {
         fail(ErrorCode::invalid_argument, "KV format '{}': lo must name an integer format such as int2 or k4v2, got '{}'",
              whole, val);
       }
-      if (!lo.k.quantized() || !lo.v.quantized() || lo.mixed() || val.find(':') != std::string_view::npos)
+      if (!lo.k.quantized() || !lo.v.quantized())
         fail(ErrorCode::invalid_argument, "KV format '{}': lo must name an integer format such as int2 or k4v2, got '{}'",
              whole, val);
       f.lo_k = lo.k;
@@ -265,7 +265,7 @@ void KvFormat::validate(const KvShape& shape, int block_tokens) const {
 double KvFormat::cold_bits(int block_tokens, int head_dim) const {
   const TileLayout tk = tile_layout(k, block_tokens, head_dim), tv = tile_layout(v, block_tokens, head_dim);
   const double elems = 2.0 * block_tokens * head_dim;
-  return static_cast<double>(tk.code_bytes + tk.param_bytes + tv.code_bytes + tv.param_bytes) * 8.0 / elems;
+  return static_cast<double>(tk.stored_bytes() + tv.stored_bytes()) * 8.0 / elems;
 }
 
 bool KvFormat::block_is_hot(int block, int tokens, int block_tokens) const noexcept {
@@ -281,10 +281,7 @@ int KvFormat::kept_blocks(int cold) const noexcept {
 }
 
 std::size_t KvFormat::context_bytes(const KvShape& shape, int block_tokens, int tokens) const {
-  const auto bytes = [&](const KvCodec& c) {
-    const TileLayout l = tile_layout(c, block_tokens, shape.head_dim);
-    return l.code_bytes + l.param_bytes;
-  };
+  const auto bytes = [&](const KvCodec& c) { return tile_layout(c, block_tokens, shape.head_dim).stored_bytes(); };
   const std::size_t tiles = static_cast<std::size_t>(shape.n_layers) * static_cast<std::size_t>(shape.n_kv_heads);
   const int blocks = (tokens + block_tokens - 1) / block_tokens;
   int hot = 0;

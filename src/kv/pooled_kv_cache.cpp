@@ -183,8 +183,7 @@ std::unique_ptr<PooledKvCache> PooledKvCache::adopt(std::shared_ptr<KvPool> pool
       const int rows_used = std::min(T, s.first_row + s.tokens - (static_cast<int>(table.size()) - 1) * T);
       // Only rows coded one by one can be partly filled.
       const bool partial = static_cast<int>(info.fill) < T;
-      const bool lo = format.mixed() && info.k == format.lo_k && info.v == format.lo_v;  // a demoted block
-      if ((!lo && ((info.k != format.k && info.k != hk) || (info.v != format.v && info.v != hv))) ||
+      if ((!format.demoted(info.k, info.v) && ((info.k != format.k && info.k != hk) || (info.v != format.v && info.v != hv))) ||
           info.flags != cache->block_flags() || static_cast<int>(info.fill) < rows_used ||
           (partial && (info.k.quantized() || info.v.quantized())))
         fail(ErrorCode::invalid_argument, "adopt: block {} holds codecs {:#x}/{:#x} (flags {}, {} rows), not format {}",
@@ -241,8 +240,8 @@ void PooledKvCache::plan(int n) {
         step->view[static_cast<std::size_t>(b)] = cur;
         step->view_k[static_cast<std::size_t>(b)] = info.k;
         step->view_v[static_cast<std::size_t>(b)] = info.v;
-        const bool demoted = !hot && format_.mixed() && info.k == format_.lo_k && info.v == format_.lo_v;
-        const bool requantize = converts && !demoted && (info.k != tk || info.v != tv);
+        const bool settled = (info.k == tk && info.v == tv) || (!hot && format_.demoted(info.k, info.v));
+        const bool requantize = converts && !settled;
         if (!touched && !requantize) continue;
         w.src = cur;
         w.sk = info.k;

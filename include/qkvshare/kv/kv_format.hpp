@@ -69,6 +69,9 @@ struct TileLayout {
   std::size_t n_params = 0;     // number of (scale, min) pairs
   std::size_t param_stride = 0; // n_params rounded up to 8: mins start this many halves after scales
   std::size_t bytes = 0;        // padded to 32 bytes
+
+  // What a tile stores (codes, scales and mins), without the padding.
+  std::size_t stored_bytes() const noexcept { return code_bytes + param_bytes; }
 };
 
 // Throws Error(invalid_argument) when the codec does not fit the head (group).
@@ -91,6 +94,8 @@ struct KvFormat {
 
   bool operator==(const KvFormat&) const = default;
   bool mixed() const noexcept { return top < 1.0; }
+  // Whether K/V codecs are this mixed format's low precision (a demoted block).
+  bool demoted(const KvCodec& bk, const KvCodec& bv) const noexcept { return mixed() && bk == lo_k && bv == lo_v; }
   // Cold blocks that keep k/v out of `cold` when the context is demoted.
   int kept_blocks(int cold) const noexcept;
 
