@@ -25,8 +25,9 @@ void log_softmax(const float* x, float* out, std::size_t n) {
 }
 
 // Stored bits per element of a context as it is: every block's codes, scales
-// and mins (whole blocks) over the elements of its tokens.
-double stored_bits(const PooledKvCache& cache) {
+// and mins (whole blocks) over the elements of the `tokens` it stands for
+// (its own, or more when evict() dropped some).
+double stored_bits(const PooledKvCache& cache, int tokens) {
   const KvShape& s = cache.shape();
   const int T = cache.pool().block_tokens();
   double bytes = 0;
@@ -36,7 +37,7 @@ double stored_bits(const PooledKvCache& cache) {
       const TileLayout k = tile_layout(info.k, T, s.head_dim), v = tile_layout(info.v, T, s.head_dim);
       bytes += static_cast<double>(k.stored_bytes() + v.stored_bytes()) * s.n_layers * s.n_kv_heads;
     }
-  return bytes * 8.0 / (static_cast<double>(cache.size()) * s.n_layers * s.kv_dim() * 2.0);
+  return bytes * 8.0 / (static_cast<double>(tokens) * s.n_layers * s.kv_dim() * 2.0);
 }
 
 struct Accumulator {
@@ -80,9 +81,10 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
     fail(ErrorCode::invalid_argument, "--protocol handoff scores the consumer's half: it needs --score half");
   if (o.chunk <= 0) fail(ErrorCode::invalid_argument, "--chunk {} must be positive", o.chunk);
   for (const KvFormat& f : formats)
-    if (f.mixed() && o.protocol != EvalProtocol::handoff)
+    if (f.observes() && o.protocol != EvalProtocol::handoff)
       fail(ErrorCode::invalid_argument,
-           "KV format {} demotes a context when it is handed off: evaluate it with --protocol handoff", f.to_string());
+           "KV format {} demotes or drops blocks when a context is handed off: evaluate it with --protocol handoff",
+           f.to_string());
   if (o.decode_tokens < 0 || o.decode_tokens >= o.ctx - 1)
     fail(ErrorCode::invalid_argument, "decode tokens {} must be in [0, ctx - 1)", o.decode_tokens);
   const int first = o.score_all ? 1 : o.ctx / 2;  // first scored token of a window
@@ -128,9 +130,17 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
         // descriptor) and writes its own tokens after them, a chunk per pass.
         auto& sealed = static_cast<PooledKvCache&>(session.cache());
         sealed.demote();  // mixed formats: the producer's re-precision at handoff
-        a.handoff_bits_sum += stored_bits(sealed);
+        sealed.set_rope(engine.rope());
+        const auto kept = sealed.evict();  // formats with a budget: the producer's dropping at handoff
+        a.handoff_bits_sum += stored_bits(sealed, first - 1);
         consumer = std::make_unique<Session>(sealed.fork());
-        consumer->note_placed(session.tokens());
+        if (kept.empty()) {
+          consumer->note_placed(session.tokens());
+        } else {
+          std::vector<TokenId> ids;
+          for (const auto& [b, e] : kept) ids.insert(ids.end(), win.begin() + b, win.begin() + e);
+          consumer->note_placed(ids);
+        }
         consumer_logits.resize(static_cast<std::size_t>(rows) * vocab);
         for (int r = 0; r < rows; r += o.chunk) {
           const int n = std::min(o.chunk, rows - r);
@@ -144,7 +154,7 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
       a.tokens_run += o.ctx - 1;
       const auto& scored = static_cast<const PooledKvCache&>((consumer ? *consumer : session).cache());
       a.window_bytes = scored.kv_bytes();
-      if (a.format.mixed()) a.bits_sum += stored_bits(scored);
+      if (a.format.observes()) a.bits_sum += stored_bits(scored, o.ctx - 1);
       for (int r = 0; r < rows; ++r) {
         const float* x = logits.data() + static_cast<std::size_t>(r) * vocab;
         const auto target = static_cast<std::size_t>(win[static_cast<std::size_t>(first + r)]);
@@ -192,7 +202,7 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
     r.bits_per_element = static_cast<double>(a.format.context_bytes(shape, o.block_tokens, o.ctx)) * 8.0 / elems;
     if (windows > 0 && o.protocol == EvalProtocol::handoff)
       r.handoff_bits_per_element = a.handoff_bits_sum / static_cast<double>(windows);
-    if (a.format.mixed() && windows > 0)  // as stored: the producer's half demoted, the consumer's own blocks not
+    if (a.format.observes() && windows > 0)  // as stored: the producer's half demoted or evicted, the consumer's own not
       r.bits_per_element = a.bits_sum / static_cast<double>(windows);
     r.cold_bits_per_element = a.format.cold_bits(o.block_tokens, shape.head_dim);
     r.kv_bytes_per_token = static_cast<double>(a.window_bytes) / (o.ctx - 1);

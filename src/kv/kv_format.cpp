@@ -198,17 +198,19 @@ KvFormat KvFormat::parse(std::string_view text) {
       f.lo_k = lo.k;
       f.lo_v = lo.v;
       has_lo = true;
-    } else if (key == "top") {
+    } else if (key == "top" || key == "budget") {
       const std::string v(val);
       char* end = nullptr;
-      f.top = std::strtod(v.c_str(), &end);
-      if (v.empty() || end != v.c_str() + v.size() || !(f.top > 0.0 && f.top < 1.0))
-        fail(ErrorCode::invalid_argument, "KV format '{}': top must be a share strictly between 0 and 1, got '{}'", whole,
-             val);
-      has_top = true;
+      double& share = key == "top" ? f.top : f.budget;
+      share = std::strtod(v.c_str(), &end);
+      if (v.empty() || end != v.c_str() + v.size() || !(share > 0.0 && share < 1.0))
+        fail(ErrorCode::invalid_argument, "KV format '{}': {} must be a share strictly between 0 and 1, got '{}'", whole,
+             key, val);
+      has_top = has_top || key == "top";
     } else {
       fail(ErrorCode::invalid_argument,
-           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, lo, top)", whole, key);
+           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, lo, top, budget)",
+           whole, key);
     }
   }
   if (has_lo != has_top)
@@ -245,6 +247,7 @@ std::string KvFormat::to_string() const {
                                 : fmt::format(":lo=k{}v{}", type_name(lo_k.type), type_name(lo_v.type));
     s += fmt::format(":top={}", top);
   }
+  if (evicts()) s += fmt::format(":budget={}", budget);
   return s;
 }
 

@@ -367,7 +367,7 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   const KvShape& s = shape();
   QKV_CHECK(step_ && step_->n == n && step_->next_layer == layer + 1);
   if (segments_.size() > 1) return plan_segments(layer, n, q, out);
-  if (format_.mixed()) {  // demote()'s observation window
+  if (format_.observes()) {  // demote()'s and evict()'s observation window
     const int m = std::min(n, kObservedQueries), qd = s.q_dim();
     step_->obs_rows = m;
     step_->obs.resize(static_cast<std::size_t>(m) * static_cast<std::size_t>(s.n_layers) * static_cast<std::size_t>(qd));
@@ -503,67 +503,6 @@ void PooledKvCache::commit(int n) {
   size_ += n;
   segments_.back() = KvSegment{0, step_->view, 0, size_ - base_};
   step_.reset();
-}
-
-int PooledKvCache::demote() {
-  QKV_CHECK(!step_);
-  if (!format_.mixed() || segments_.size() != 1 || observed_pos_.empty()) return 0;
-  const KvShape& s = shape();
-  const int T = pool_->block_tokens(), D = s.head_dim, qd = s.q_dim(), L = s.n_layers;
-  const int group = s.n_heads / s.n_kv_heads;
-  std::vector<BlockRef>& blocks = segments_[0].blocks;
-  const int nb = static_cast<int>(blocks.size());
-  // Importance: the attention mass each block's tokens receive from the observed queries.
-  std::vector<double> importance(static_cast<std::size_t>(nb), 0.0);
-  std::vector<float> keys(static_cast<std::size_t>(size_) * D), p(static_cast<std::size_t>(size_)), q(static_cast<std::size_t>(D));
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  for (int l = 0; l < L; ++l)
-    for (int kh = 0; kh < s.n_kv_heads; ++kh) {
-      read_rows(l, 0, kh, 0, size_, keys.data());
-      for (std::size_t w = 0; w < observed_pos_.size(); ++w) {
-        const int n_keys = std::min(observed_pos_[w] + 1, size_);
-        for (int g = 0; g < group; ++g) {
-          const float* src = &observed_[(w * static_cast<std::size_t>(L) + static_cast<std::size_t>(l)) * qd +
-                                        static_cast<std::size_t>((kh * group + g) * D)];
-          std::copy(src, src + D, q.begin());
-          if (format_.rotate_k) kv::rotate(q.data(), D);  // the keys are stored rotated
-          for (int j = 0; j < n_keys; ++j)
-            p[static_cast<std::size_t>(j)] = kernels::dot_f32(q.data(), &keys[static_cast<std::size_t>(j) * D], D) * scale;
-          kernels::softmax(p.data(), n_keys);
-          for (int j = 0; j < n_keys; ++j) importance[static_cast<std::size_t>(j / T)] += p[static_cast<std::size_t>(j)];
-        }
-      }
-    }
-  // The cold blocks by importance; all but the top share end in the lo codecs.
-  std::vector<int> cold;
-  for (int b = 0; b < nb; ++b)
-    if (!format_.block_is_hot(b, size_, T)) cold.push_back(b);
-  std::stable_sort(cold.begin(), cold.end(), [&](int a, int b) {
-    return importance[static_cast<std::size_t>(a)] > importance[static_cast<std::size_t>(b)];
-  });
-  std::vector<float> rows(static_cast<std::size_t>(T) * D);
-  int recoded = 0;
-  for (std::size_t i = static_cast<std::size_t>(format_.kept_blocks(static_cast<int>(cold.size()))); i < cold.size(); ++i) {
-    BlockRef& ref = blocks[static_cast<std::size_t>(cold[i])];
-    const BlockInfo info = pool_->info(ref);
-    if (info.k != format_.k || info.v != format_.v) continue;  // demoted already
-    const BlockRef lo = pool_->allocate(format_.lo_k, format_.lo_v, block_flags());
-    for (int kind = 0; kind < 2; ++kind) {
-      const KvCodec& from = kind == 0 ? info.k : info.v;
-      const KvCodec& to = kind == 0 ? format_.lo_k : format_.lo_v;
-      const TileLayout fl = tile_layout(from, T, D), tl = tile_layout(to, T, D);
-      for (int l = 0; l < L; ++l)
-        for (int kh = 0; kh < s.n_kv_heads; ++kh) {
-          kv::decode_tile_scalar(from, fl, pool_->tile(ref, kind, l, kh), T, rows.data());
-          kv::encode_tile(to, tl, rows.data(), pool_->tile(lo, kind, l, kh));
-        }
-    }
-    pool_->set_fill(lo, T);
-    pool_->release(ref);
-    ref = lo;
-    ++recoded;
-  }
-  return recoded;
 }
 
 }  // namespace qkvshare

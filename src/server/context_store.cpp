@@ -138,6 +138,7 @@ std::uint64_t ContextStore::resolve(const std::string& tenant, const std::string
   OpenedContext oc = pool_->open(d, tenant, /*want_kv=*/true, engine_.model().config().context_length);
   if (!oc.cache)
     not_found(param, fmt::format("'{}': context {} cannot be used on its KV here: {}", param, d.context_id, oc.refused_detail));
+  oc.cache->set_rope(engine_.rope());
   const KvFormat format = oc.cache->format();
   const SealedInfo info = add_locked(tenant, *oc.cache, oc.tokens, format, {}, true);
   pool_->release(d, tenant);  // the grantee is done with the foreign descriptor
@@ -170,9 +171,11 @@ std::unique_ptr<Session> ContextStore::open_prefix(std::uint64_t id, const std::
   OpenedContext oc = pool_->open(e.own, e.owner, /*want_kv=*/true, capacity);
   if (!oc.cache)
     fail(ErrorCode::bad_descriptor, "context {}: its KV cannot be used: {}", name_of(id), oc.refused_detail);
+  oc.cache->set_rope(engine_.rope());  // a context of several segments (made elsewhere) reads them moved
   const int n = static_cast<int>(e.tokens.size());
   tokens = std::min(tokens, n);
   if (tokens == n) return std::make_unique<Session>(std::move(oc.cache), std::move(oc.tokens));
+  if (oc.cache->segments().size() > 1) return nullptr;  // a prefix of moved segments is not cut here: recompute
   // A prefix: the first blocks of the table, the last one cut where the
   // prompt departs. Only a hot (row-coded) block can be cut; for a cold one
   // fall back to the block boundary and recompute the rest.
@@ -211,6 +214,7 @@ SealedInfo ContextStore::fork(const std::string& tenant, std::uint64_t id, const
   Entry& e = visible(tenant, id);
   OpenedContext oc = pool_->open(e.own, e.owner, /*want_kv=*/true, engine_.model().config().context_length);
   if (!oc.cache) fail(ErrorCode::bad_descriptor, "context {}: its KV cannot be used: {}", name_of(id), oc.refused_detail);
+  oc.cache->set_rope(engine_.rope());
   const KvFormat format = e.format;
   const std::vector<TokenId> toks = e.tokens;
   return add_locked(tenant, *oc.cache, toks, format, grant_to, true);

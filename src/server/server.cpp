@@ -22,6 +22,17 @@ using nlohmann::json;
 
 namespace {
 
+// A context the server seals is found again by its token prefix (automatic
+// reuse, fork, continue); one whose tokens were dropped at seal is not that
+// prefix any more.
+void refuse_eviction(const KvFormat& f) {
+  if (f.evicts())
+    fail(ErrorCode::invalid_argument,
+         "KV format {} drops tokens when a context is sealed (budget); the server reuses contexts by their token "
+         "prefix, so it keeps every token: drop budget=",
+         f.to_string());
+}
+
 std::int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -121,6 +132,7 @@ struct Server::Impl {
     try {
       KvFormat f = KvFormat::parse(text);
       f.validate(engine.kv_shape(), pool->kv_pool(engine.kv_shape())->block_tokens());
+      refuse_eviction(f);
       return f;
     } catch (const Error& e) {
       bad_request(param, fmt::format("'{}': {}", param, e.what()));
@@ -528,6 +540,7 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
   try {
     m.default_format = KvFormat::parse(o.kv);
     m.default_format.validate(engine.kv_shape(), m.pool->kv_pool(engine.kv_shape())->block_tokens());
+    refuse_eviction(m.default_format);
   } catch (const Error& e) {
     fail(ErrorCode::invalid_argument, "--kv: {}", e.what());
   }

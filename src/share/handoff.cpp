@@ -59,6 +59,7 @@ HandoffResult open_session(SharePool& pool, Engine& engine, const ModelFingerpri
          detail.empty() ? "" : ": ", detail);
   OpenedContext opened = pool.open(d, agent, want_kv, capacity, options.verify);
   if (opened.cache) {
+    opened.cache->set_rope(engine.rope());  // an evicted or spliced context reads its segments moved
     result.session = std::make_unique<Session>(std::move(opened.cache), std::move(opened.tokens));
     result.kv = true;
     result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -13,6 +13,11 @@ using namespace share_detail;
 
 namespace {
 
+// Covers the block table and the segment table: an edited segment fails it as an edited block does.
+std::uint64_t table_checksum(const TableEntry* table, std::size_t n, const SegmentEntry* segs, std::size_t m) {
+  return XXH3_64bits_withSeed(segs, m * sizeof(SegmentEntry), XXH3_64bits(table, n * sizeof(TableEntry)));
+}
+
 bool equal_tags(const std::array<std::uint8_t, kCapabilityBytes>& a, const std::array<std::uint8_t, kCapabilityBytes>& b) {
   std::uint8_t diff = 0;  // constant time: the comparison does not tell where a forgery went wrong
   for (std::size_t i = 0; i < a.size(); ++i) diff |= static_cast<std::uint8_t>(a[i] ^ b[i]);
@@ -127,15 +132,22 @@ void SharePool::Impl::admit_locked(const Descriptor& d, std::string_view agent, 
 SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<const TokenId> tokens,
                               std::string_view text, const ModelFingerprint& fp, std::string_view producer) {
   validate_agent_id(producer, "seal");
-  // A mixed format ships demoted: a fork of the producer's context, with its
-  // least attended blocks recoded, is what the record holds; the producer
-  // keeps its own blocks (and their precision) for as long as it runs.
-  std::unique_ptr<PooledKvCache> demoted;
-  if (producer_cache.format().mixed()) {
-    demoted = producer_cache.fork();
-    demoted->demote();
+  // A mixed format ships demoted, a format with a budget evicted: a fork of
+  // the producer's context, with its least attended blocks recoded or
+  // dropped, is what the record holds; the producer keeps its own blocks (and
+  // their precision) for as long as it runs.
+  std::unique_ptr<PooledKvCache> reduced;
+  std::vector<TokenId> kept_tokens;
+  if (producer_cache.format().observes()) {
+    reduced = producer_cache.fork();
+    reduced->demote();
+    for (const auto& [begin, end] : reduced->evict()) {
+      if (static_cast<std::size_t>(end) > tokens.size()) break;  // a count mismatch, reported below
+      kept_tokens.insert(kept_tokens.end(), tokens.begin() + begin, tokens.begin() + end);
+    }
+    if (!kept_tokens.empty()) tokens = kept_tokens;
   }
-  const PooledKvCache& cache = demoted ? *demoted : producer_cache;
+  const PooledKvCache& cache = reduced ? *reduced : producer_cache;
   impl_->maybe_reap();
   std::shared_ptr<KvPool> pool;
   {
@@ -151,31 +163,38 @@ SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<con
   if (static_cast<std::uint32_t>(n) > hd.max_tokens)
     fail(ErrorCode::invalid_argument, "seal: {} tokens exceed pool '{}''s {} tokens per context", n, impl_->name,
          hd.max_tokens);
-  // One run of blocks from row 0: a whole context, or the tail of a spliced
-  // one (PooledKvCache::tail_context), whose keys sit at [-offset, ...).
-  const KvSegment* only = nullptr;
-  int nonempty = 0;
-  for (const KvSegment& seg : cache.segments())
-    if (seg.tokens != 0) {
-      only = &seg;
-      ++nonempty;
-    }
-  if (nonempty != 1 || only->first_row != 0 || only->position_offset > 0)
-    fail(ErrorCode::unsupported, "seal: a context with spliced segments is sealed through its tail_context()");
-  const std::vector<BlockRef>& blocks = only->blocks;
+  // The block table is the segments' blocks in order; the segment table
+  // says which run of it each segment reads, and where it sits.
+  Registry& reg = *impl_->reg;
   const int T = pool->block_tokens();
-  QKV_CHECK(static_cast<int>(blocks.size()) == (n + T - 1) / T);
+  std::vector<BlockRef> blocks;
+  std::vector<SegmentEntry> segs;
+  std::vector<char> whole;  // a table entry's block has every row written: its checksum can be cached
+  for (const KvSegment& seg : cache.segments()) {
+    if (seg.tokens == 0) continue;
+    segs.push_back(SegmentEntry{static_cast<std::uint32_t>(blocks.size()), static_cast<std::uint32_t>(seg.blocks.size()),
+                                static_cast<std::uint32_t>(seg.first_row), static_cast<std::uint32_t>(seg.tokens),
+                                seg.position_offset, 0});
+    for (std::size_t j = 0; j < seg.blocks.size(); ++j) {
+      blocks.push_back(seg.blocks[j]);
+      whole.push_back(seg.first_row + seg.tokens >= static_cast<int>(j + 1) * T);
+    }
+  }
+  if (segs.size() > kMaxRecordSegments || blocks.size() > reg.layout().max_blocks)
+    fail(ErrorCode::unsupported, "seal: {} segments over {} blocks exceed a record's {} segments and {} blocks",
+         segs.size(), blocks.size(), kMaxRecordSegments, reg.layout().max_blocks);
+  if (segs.front().position_offset > 0)
+    fail(ErrorCode::unsupported, "seal: the context's first segment sits after the position its keys were rotated at");
 
   // Checksums, outside the lock: the cache holds every block, and full blocks
   // never change, so each is hashed once per generation and cached.
-  Registry& reg = *impl_->reg;
   BlockSum* sums = reg.sums();
   std::vector<std::uint64_t> digests(blocks.size());
   std::vector<TableEntry> table(blocks.size());
   for (std::size_t b = 0; b < blocks.size(); ++b) {
     const BlockRef ref = blocks[b];
     table[b] = TableEntry{ref.index, ref.generation};
-    const bool full = static_cast<int>(b + 1) * T <= n && ref.index < hd.ledger_blocks;
+    const bool full = whole[b] && ref.index < hd.ledger_blocks;
     const std::uint64_t tag = std::uint64_t{ref.generation} << 32 | 1u;
     if (full && sums[ref.index].tag.load(std::memory_order_acquire) == tag) {
       digests[b] = sums[ref.index].hash.load(std::memory_order_relaxed);
@@ -219,14 +238,16 @@ SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<con
   std::memcpy(rec.model_fp, fp.model.data(), sizeof rec.model_fp);
   rec.tokenizer_fp = fp.tokenizer;
   rec.blocks_checksum = XXH3_64bits(digests.data(), digests.size() * sizeof(std::uint64_t));
-  rec.table_checksum = XXH3_64bits(table.data(), table.size() * sizeof(TableEntry));
+  rec.table_checksum = table_checksum(table.data(), table.size(), segs.data(), segs.size());
   rec.tokens_checksum = XXH3_64bits(tokens.data(), tokens.size() * sizeof(TokenId));
   rec.text_bytes = keep_text ? static_cast<std::uint32_t>(text.size()) : 0;
   rec.text_checksum = keep_text ? XXH3_64bits(text.data(), text.size()) : 0;
   rec.created_unix_ns = unix_ns();
   std::memset(rec.producer, 0, sizeof rec.producer);
   std::memcpy(rec.producer, producer.data(), producer.size());
-  rec.position_begin = static_cast<std::uint32_t>(-only->position_offset);
+  rec.position_begin = static_cast<std::uint32_t>(-segs.front().position_offset);
+  rec.segment_count = static_cast<std::uint32_t>(segs.size());
+  std::memcpy(reg.segments(r), segs.data(), segs.size() * sizeof(SegmentEntry));
   {
     // The record's own references: not this process's, so they survive it.
     Unledgered record_refs;
@@ -333,6 +354,7 @@ OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool 
     fail(ErrorCode::invalid_argument, "open: capacity {} cannot hold context {} of {} tokens", capacity, d.context_id,
          d.token_count);
   Registry& reg = *impl_->reg;
+  std::vector<BlockRef> table_blocks;  // in table order, as blocks_checksum hashes them
   {
     RegistryLock lock(reg);
     impl_->admit_locked(d, agent, false);
@@ -350,8 +372,11 @@ OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool 
       if (XXH3_64bits(out.text.data(), out.text.size()) != rec.text_checksum) out.text.clear();
     }
     const TableEntry* t = reg.table(d.record_slot);
-    if (XXH3_64bits(t, std::size_t{rec.block_count} * sizeof(TableEntry)) != rec.table_checksum)
-      refuse(FallbackReason::checksum, "the stored block table fails its checksum");
+    const SegmentEntry* se = reg.segments(d.record_slot);
+    const bool table_ok = rec.block_count <= reg.layout().max_blocks && rec.segment_count >= 1 &&
+                          rec.segment_count <= kMaxRecordSegments &&
+                          table_checksum(t, rec.block_count, se, rec.segment_count) == rec.table_checksum;
+    if (!table_ok) refuse(FallbackReason::checksum, "the stored block table fails its checksum");
     if (rec.blocks_checksum != d.blocks_checksum)
       refuse(FallbackReason::checksum, "the stored block checksum differs from the descriptor's");
     if (want_kv && out.refused == FallbackReason::none) {
@@ -359,19 +384,28 @@ OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool 
         refuse(FallbackReason::shape, "block sizes differ");
     }
     if (want_kv && out.refused == FallbackReason::none) {
-      KvSegment seg;
-      seg.position_offset = -static_cast<int>(rec.position_begin);
-      seg.blocks.reserve(rec.block_count);
-      for (std::uint32_t b = 0; b < rec.block_count; ++b) seg.blocks.push_back(BlockRef{t[b].index, t[b].generation});
-      try {
-        out.cache = PooledKvCache::adopt(pool, *format, capacity, {std::move(seg)}, static_cast<int>(rec.token_count));
-      } catch (const Error& e) {
-        if (e.code() != ErrorCode::invalid_argument) throw;
-        refuse(FallbackReason::format, e.what());
+      std::vector<KvSegment> segments;
+      for (std::uint32_t i = 0; i < rec.segment_count; ++i) {
+        const SegmentEntry& e = se[i];
+        if (e.table_begin > rec.block_count || e.blocks > rec.block_count - e.table_begin) {
+          refuse(FallbackReason::checksum, fmt::format("segment {} runs past the block table", i));
+          break;
+        }
+        KvSegment seg{e.position_offset, {}, static_cast<int>(e.first_row), static_cast<int>(e.tokens)};
+        for (std::uint32_t b = e.table_begin; b < e.table_begin + e.blocks; ++b)
+          seg.blocks.push_back(BlockRef{t[b].index, t[b].generation});
+        segments.push_back(std::move(seg));
       }
+      for (std::uint32_t b = 0; b < rec.block_count; ++b) table_blocks.push_back(BlockRef{t[b].index, t[b].generation});
+      if (out.refused == FallbackReason::none) try {
+          out.cache = PooledKvCache::adopt(pool, *format, capacity, std::move(segments), static_cast<int>(rec.token_count));
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::invalid_argument) throw;
+          refuse(FallbackReason::format, e.what());
+        }
     }
   }
-  if (verify && out.cache && full_checksum(*pool, out.cache->segments()[0].blocks) != d.blocks_checksum) {
+  if (verify && out.cache && full_checksum(*pool, table_blocks) != d.blocks_checksum) {
     out.cache.reset();
     refuse(FallbackReason::checksum, "the blocks do not match the checksum taken when they were sealed");
   }

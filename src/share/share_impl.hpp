@@ -32,6 +32,7 @@ class Registry final : public RefLedger {
   ContextRecord& record(std::uint32_t i) const noexcept;
   GrantSlot& grant(std::uint32_t i) const noexcept;
   TableEntry* table(std::uint32_t record) const noexcept;
+  SegmentEntry* segments(std::uint32_t record) const noexcept;
   TokenId* tokens(std::uint32_t record) const noexcept;
   char* text(std::uint32_t record) const noexcept;
   std::atomic<std::uint32_t>* ledger_row(std::uint32_t slot) const noexcept;

@@ -6,7 +6,7 @@
 //   [ProcessSlot x max_processes]          who is attached (pid + start time)
 //   [ContextRecord x max_contexts]         sealed contexts
 //   [GrantSlot x max_grants]               descriptors issued
-//   [record data x max_contexts]           block table, token ids, text
+//   [record data x max_contexts]           block table, segment table, token ids, text
 //   --- formatted by the first model that uses the region ---
 //   [ledger: max_processes x ledger_blocks x u32]   references each process holds
 //   [block sums: ledger_blocks x {tag, hash}]       seal-time checksums of full blocks
@@ -23,7 +23,7 @@
 namespace qkvshare::share_detail {
 
 inline constexpr char kShareMagic[8] = {'Q', 'K', 'V', 'S', 'H', 'A', 'R', 'E'};
-inline constexpr std::uint32_t kShareVersion = 2;  // 2: grants record their holder process
+inline constexpr std::uint32_t kShareVersion = 3;  // 2: grants record their holder process; 3: segment tables
 inline constexpr std::size_t kShareHeaderBytes = 4096;
 inline constexpr std::uint32_t kNone = 0xffffffffu;
 inline constexpr std::size_t kSecretBytes = 32;
@@ -84,7 +84,8 @@ struct ContextRecord {
   char producer[32];
   std::uint32_t position_begin;  // where the first token's key was rotated (a spliced context's tail)
   std::uint32_t lo_k_codec, lo_v_codec, top_millionths;  // mixed precision (Descriptor's fields); 0 otherwise
-  std::uint8_t pad[16];
+  std::uint32_t segment_count;  // entries of the record's segment table
+  std::uint8_t pad[12];
 };
 static_assert(sizeof(ContextRecord) == 192);
 
@@ -108,6 +109,20 @@ struct TableEntry {
   std::uint32_t index, generation;
 };
 
+// A run of the block table as a KvSegment: table entries [table_begin,
+// table_begin + blocks), `tokens` tokens from row `first_row`, moved by
+// `position_offset` positions from where its keys were rotated.
+struct SegmentEntry {
+  std::uint32_t table_begin, blocks, first_row, tokens;
+  std::int32_t position_offset;
+  std::uint32_t pad;
+};
+static_assert(sizeof(SegmentEntry) == 24);
+// Segments of one sealed context (a spliced context has two per splice, an
+// evicted one one per kept run of blocks); each may start and end inside a
+// block, hence two table entries more per segment than whole blocks.
+inline constexpr std::uint32_t kMaxRecordSegments = 64;
+
 // A full block's checksum, cached by (index, generation) so that sealing a
 // context that extends an earlier one hashes only the new blocks.
 struct BlockSum {
@@ -119,7 +134,7 @@ struct BlockSum {
 struct Layout {
   std::uint64_t processes = 0, records = 0, grants = 0, data = 0, data_stride = 0, dynamic = 0;
   std::uint32_t max_blocks = 0;
-  std::uint64_t table_bytes = 0, token_bytes = 0, text_bytes = 0;
+  std::uint64_t table_bytes = 0, segment_bytes = 0, token_bytes = 0, text_bytes = 0;
 };
 
 inline std::uint64_t round_up(std::uint64_t x, std::uint64_t a) { return (x + a - 1) / a * a; }
@@ -127,15 +142,16 @@ inline std::uint64_t round_up(std::uint64_t x, std::uint64_t a) { return (x + a 
 inline Layout layout_for(std::uint32_t processes, std::uint32_t contexts, std::uint32_t grants, std::uint32_t tokens,
                          std::uint32_t block_tokens) {
   Layout l;
-  l.max_blocks = (tokens + block_tokens - 1) / block_tokens;
+  l.max_blocks = (tokens + block_tokens - 1) / block_tokens + 2 * kMaxRecordSegments;
   l.table_bytes = round_up(std::uint64_t{l.max_blocks} * sizeof(TableEntry), 64);
+  l.segment_bytes = round_up(std::uint64_t{kMaxRecordSegments} * sizeof(SegmentEntry), 64);
   l.token_bytes = round_up(std::uint64_t{tokens} * 4, 64);
   l.text_bytes = round_up(std::uint64_t{tokens} * kTextBytesPerToken, 64);
   l.processes = kShareHeaderBytes;
   l.records = round_up(l.processes + std::uint64_t{processes} * sizeof(ProcessSlot), 64);
   l.grants = round_up(l.records + std::uint64_t{contexts} * sizeof(ContextRecord), 64);
   l.data = round_up(l.grants + std::uint64_t{grants} * sizeof(GrantSlot), 64);
-  l.data_stride = l.table_bytes + l.token_bytes + l.text_bytes;
+  l.data_stride = l.table_bytes + l.segment_bytes + l.token_bytes + l.text_bytes;
   l.dynamic = round_up(l.data + std::uint64_t{contexts} * l.data_stride, 4096);
   return l;
 }

@@ -117,8 +117,11 @@ GrantSlot& Registry::grant(std::uint32_t i) const noexcept {
 TableEntry* Registry::table(std::uint32_t r) const noexcept {
   return reinterpret_cast<TableEntry*>(region_->data() + layout_.data + std::uint64_t{r} * layout_.data_stride);
 }
+SegmentEntry* Registry::segments(std::uint32_t r) const noexcept {
+  return reinterpret_cast<SegmentEntry*>(reinterpret_cast<std::byte*>(table(r)) + layout_.table_bytes);
+}
 TokenId* Registry::tokens(std::uint32_t r) const noexcept {
-  return reinterpret_cast<TokenId*>(reinterpret_cast<std::byte*>(table(r)) + layout_.table_bytes);
+  return reinterpret_cast<TokenId*>(reinterpret_cast<std::byte*>(segments(r)) + layout_.segment_bytes);
 }
 char* Registry::text(std::uint32_t r) const noexcept {
   return reinterpret_cast<char*>(tokens(r)) + layout_.token_bytes;

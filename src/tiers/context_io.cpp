@@ -47,23 +47,30 @@ ContextMeta context_meta(const PooledKvCache& cache, std::span<const TokenId> to
   m.tokens.assign(tokens.begin(), tokens.end());
   m.text = std::string(text);
   const int T = m.block_tokens;
-  int b = 0;
   for (const KvSegment& s : cache.segments()) {
     if (s.blocks.empty()) continue;
+    // The file records a segment as whole blocks from row 0 (what eviction
+    // leaves); a splice's segment cut inside a block has no form there yet.
+    if (s.first_row != 0)
+      fail(ErrorCode::unsupported, "export: a segment starting at row {} of a block (a splice) cannot be written yet",
+           s.first_row);
     m.segments.push_back(ContextSegment{s.position_offset, static_cast<std::uint32_t>(s.blocks.size())});
-    for (BlockRef ref : s.blocks) {
-      const BlockInfo info = cache.pool().info(ref);
+    for (std::size_t j = 0; j < s.blocks.size(); ++j) {
+      const BlockInfo info = cache.pool().info(s.blocks[j]);
       ContextBlock cb;
       cb.k = info.k;
       cb.v = info.v;
       cb.flags = info.flags;
       // The pool's fill of a shared block may run ahead of this context (a
-      // fork appended to its copy); the context's own count is what it holds.
-      cb.fill = static_cast<std::uint32_t>(std::min(T, cache.size() - b * T));
+      // fork appended to its copy); the segment's own count is what it holds.
+      cb.fill = static_cast<std::uint32_t>(std::min(T, s.tokens - static_cast<int>(j) * T));
       m.blocks.push_back(cb);
-      ++b;
     }
   }
+  for (std::size_t i = 0; i + 1 < m.blocks.size(); ++i)
+    if (m.blocks[i].fill != static_cast<std::uint32_t>(T))
+      fail(ErrorCode::unsupported, "export: block {} holds {} of {} rows before the last block (a splice's segment)", i,
+           m.blocks[i].fill, T);
   return m;
 }
 
@@ -102,9 +109,6 @@ std::unique_ptr<PooledKvCache> import_context(const ContextReader& reader, std::
          pool->block_tokens());
   if (capacity < static_cast<int>(m.tokens.size()))
     fail(ErrorCode::invalid_argument, "import: {} tokens do not fit a capacity of {}", m.tokens.size(), capacity);
-  for (const ContextSegment& seg : m.segments)
-    if (seg.position_offset != 0)
-      fail(ErrorCode::unsupported, "import: segments at a position offset (splice) are not supported yet");
   const int T = m.block_tokens;
   BlockGuard guard{*pool, {}};
   std::vector<std::uint8_t> plain;
@@ -123,8 +127,17 @@ std::unique_ptr<PooledKvCache> import_context(const ContextReader& reader, std::
     }
     pool->set_fill(ref, static_cast<int>(b.fill));
   }
-  std::vector<KvSegment> segments(1);
-  segments[0].blocks = guard.blocks;
+  // Each segment: its run of blocks from row 0, as many tokens as they hold.
+  std::vector<KvSegment> segments;
+  std::size_t next = 0;
+  for (const ContextSegment& seg : m.segments) {
+    KvSegment ks{seg.position_offset, {}, 0, 0};
+    for (std::uint32_t j = 0; j < seg.blocks && next < guard.blocks.size(); ++j, ++next) {
+      ks.blocks.push_back(guard.blocks[next]);
+      ks.tokens += static_cast<int>(m.blocks[next].fill);
+    }
+    segments.push_back(std::move(ks));
+  }
   auto cache = PooledKvCache::adopt(pool, m.format, capacity, std::move(segments), static_cast<int>(m.tokens.size()));
   return cache;  // the guard drops the import's own references: the cache holds one each
 }

@@ -30,7 +30,8 @@ TEST(KvFormat, ToStringRoundTrips) {
   for (const char* text : {"f32", "f16", "int8", "int4", "int3", "int2", "k8v4", "k16v2", "k32v16",
                            "int8:kaxis=token", "int4:kaxis=token:kgroup=32", "int2:window=128:sink=32",
                            "int4:vgroup=64", "int3:rot=kv", "k4v2:window=32:rot=v", "int8:lo=int2:top=0.2",
-                           "k8v4:window=64:sink=32:lo=k4v2:top=0.35"}) {
+                           "k8v4:window=64:sink=32:lo=k4v2:top=0.35", "f16:budget=0.5",
+                           "int8:window=128:sink=32:lo=int2:top=0.2:budget=0.6"}) {
     const KvFormat f = KvFormat::parse(text);
     EXPECT_EQ(f.to_string(), text);
     EXPECT_EQ(KvFormat::parse(f.to_string()), f) << text;
@@ -66,6 +67,9 @@ TEST(KvFormat, BadTextNamesThePart) {
   EXPECT_NE(message("int8:lo=int2:top=0.2x").find("top must be a share"), std::string::npos);
   EXPECT_NE(message("f16:lo=int2:top=0.2").find("integer high-precision"), std::string::npos);
   EXPECT_NE(message("mixed:lo=int2:top=0.2").find("hi=NAME first"), std::string::npos);
+  EXPECT_NE(message("int8:budget=1").find("budget must be a share"), std::string::npos);
+  EXPECT_NE(message("int8:budget=0").find("budget must be a share"), std::string::npos);
+  EXPECT_NE(message("int8:budget=half").find("budget must be a share"), std::string::npos);
 }
 
 // Mixed precision: `mixed:hi=` names the same format; its bytes lie between
@@ -90,6 +94,14 @@ TEST(KvFormat, MixedPrecisionFormats) {
   EXPECT_LT(mixed, hi);
   // 32 cold blocks: 8 at 8 bits, 24 at 2 bits.
   EXPECT_EQ(mixed, (hi / 32) * 8 + (lo / 32) * 24);
+  // Dropping is a policy of its own: it observes queries, needs no second precision.
+  const KvFormat e = KvFormat::parse("int4:budget=0.5");
+  EXPECT_TRUE(e.evicts());
+  EXPECT_TRUE(e.observes());
+  EXPECT_FALSE(e.mixed());
+  EXPECT_TRUE(m.observes());
+  EXPECT_FALSE(m.evicts());
+  EXPECT_FALSE(KvFormat::parse("int4").observes());
 }
 
 TEST(KvFormat, CodecPacksAndRejectsGarbage) {

@@ -109,6 +109,81 @@ TEST_F(Handoff, AMixedFormatShipsDemotedAndTheProducerKeepsItsPrecision) {
   EXPECT_EQ(blocks_used(), 0u);
 }
 
+// A format with a budget ships evicted: the record holds the kept runs of
+// blocks as moved segments and their token ids; the consumer continues
+// exactly as the producer's own context evicted the same way would, and the
+// producer keeps every token.
+TEST_F(Handoff, ABudgetShipsTheKeptBlocksAsSegments) {
+  const KvFormat f = KvFormat::parse("int8:sink=32:budget=0.5");
+  auto producer = new_pooled_session(*pool_, *engine_, f, 512);
+  std::vector<TokenId> ids = prompt_;
+  while (ids.size() < 300) ids.insert(ids.end(), more_.begin(), more_.end());
+  ids.resize(300);  // 9 full blocks of 32 and a tail of 12
+  engine_->forward(*producer, ids);
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+  const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
+  pool_->release(sealed);
+  // What the producer's own context becomes when evicted here.
+  auto local = dynamic_cast<const PooledKvCache&>(producer->cache()).fork();
+  const auto kept = local->evict();
+  ASSERT_GE(kept.size(), 2u);  // the sink's run, the last block's, and what the most attended make of them
+  std::vector<TokenId> kept_ids;
+  for (const auto& [b, e] : kept) kept_ids.insert(kept_ids.end(), ids.begin() + b, ids.begin() + e);
+  EXPECT_EQ(kept_ids.size(), 4u * 32 + 12);  // 5 of 10 blocks: four full ones and the tail
+  EXPECT_EQ(d.token_count, kept_ids.size());
+  EXPECT_EQ(producer->cache().size(), 300);
+  HandoffResult r = open_session(*pool_, *engine_, fp_, d, "B", {HandoffMode::kv, true, 0});
+  ASSERT_TRUE(r.kv);
+  EXPECT_EQ(r.session->tokens(), kept_ids);
+  const auto& opened = dynamic_cast<const PooledKvCache&>(r.session->cache());
+  ASSERT_EQ(opened.segments().size(), local->segments().size());
+  for (std::size_t i = 0; i < opened.segments().size(); ++i) {
+    EXPECT_EQ(opened.segments()[i].position_offset, local->segments()[i].position_offset) << i;
+    EXPECT_EQ(opened.segments()[i].blocks, local->segments()[i].blocks) << i;  // the same blocks, not copies
+  }
+  local->set_rope(engine_->rope());
+  auto reference = std::make_unique<Session>(std::move(local), kept_ids);
+  const auto want = continue_with(*reference, more_);
+  const auto got = continue_with(*r.session, more_);
+  ASSERT_EQ(want.size(), got.size());
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  pool_->release(d, "B");
+  r.session.reset();
+  reference.reset();
+  producer.reset();
+  EXPECT_EQ(pool_->stats().contexts, 0);
+  EXPECT_EQ(blocks_used(), 0u);
+}
+
+// A spliced context (segments that start and end inside blocks, at moved
+// positions) is sealed as it is and continues identically after the handoff.
+TEST_F(Handoff, ASplicedContextIsSealedWithItsSegments) {
+  auto producer = produce("int8");
+  std::vector<TokenId> more_ids = prompt_;
+  more_ids.insert(more_ids.end(), more_.begin(), more_.end());
+  engine_->forward(*producer, more_);  // a producer of prompt + more
+  auto writer = new_pooled_session(*pool_, *engine_, KvFormat::parse("int8"), 512);
+  engine_->forward(*writer, more_);  // the writer's own prefix
+  auto& wc = dynamic_cast<PooledKvCache&>(writer->cache());
+  const int a = 3, b = static_cast<int>(more_ids.size()) - 2;
+  wc.splice(dynamic_cast<const PooledKvCache&>(producer->cache()), a, b, engine_->rope());
+  writer->note_placed(std::vector<TokenId>(more_ids.begin() + a, more_ids.begin() + b));
+  engine_->forward(*writer, prompt_);  // and its own tail after the splice
+  ASSERT_GE(wc.segments().size(), 3u);
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *writer, "W");
+  const Descriptor d = pool_->grant(sealed, "W", "R");
+  pool_->release(sealed);
+  HandoffResult r = open_session(*pool_, *engine_, fp_, d, "R", {HandoffMode::kv, true, 0});
+  ASSERT_TRUE(r.kv);
+  EXPECT_EQ(r.session->tokens(), writer->tokens());
+  auto reference = producer_fork(*writer);
+  const auto want = continue_with(*reference, more_);
+  const auto got = continue_with(*r.session, more_);
+  ASSERT_EQ(want.size(), got.size());
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  pool_->release(d, "R");
+}
+
 TEST_F(Handoff, ContextOutlivesItsProducerAndMatchesAFreshRun) {
   auto producer = produce("f32");
   const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");

@@ -91,9 +91,17 @@ struct KvFormat {
   KvCodec lo_k = KvCodec::f16();
   KvCodec lo_v = KvCodec::f16();
   double top = 1.0;
+  // Token dropping (PooledKvCache::evict, at seal or handoff): the context
+  // keeps about `budget` of its tokens, whole blocks: the hot ones (sinks,
+  // window, tail; at least the first and the last block) and the most
+  // attended of the rest. budget == 1: nothing is dropped.
+  double budget = 1.0;
 
   bool operator==(const KvFormat&) const = default;
   bool mixed() const noexcept { return top < 1.0; }
+  bool evicts() const noexcept { return budget < 1.0; }
+  // Whether the context records its last queries (demote() and evict() rank blocks by them).
+  bool observes() const noexcept { return mixed() || evicts(); }
   // Whether K/V codecs are this mixed format's low precision (a demoted block).
   bool demoted(const KvCodec& bk, const KvCodec& bv) const noexcept { return mixed() && bk == lo_k && bv == lo_v; }
   // Cold blocks that keep k/v out of `cold` when the context is demoted.
@@ -103,7 +111,8 @@ struct KvFormat {
   // int2 (same bits for K and V) or kXvY (X, Y in 32, 16, 8, 4, 3, 2), and
   // options window=N, sink=N (tokens), kaxis=channel|token, kgroup=N,
   // vgroup=N, rot=none|k|v|kv, and lo=NAME:top=F (mixed precision: NAME an
-  // integer name as above, 0 < F < 1; vgroup applies to both precisions).
+  // integer name as above, 0 < F < 1; vgroup applies to both precisions),
+  // budget=F (token dropping, 0 < F < 1).
   // `mixed:hi=NAME:lo=NAME:top=F` is the same with the high precision named.
   // Throws Error(invalid_argument) naming the part.
   static KvFormat parse(std::string_view text);

@@ -18,6 +18,7 @@
 // the request (Error(out_of_memory)) and leaves this and every other context
 // as they were.
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "qkvshare/kernels/ops.hpp"
@@ -129,6 +130,17 @@ class PooledKvCache final : public KvCache {
   // segments, or one whose queries this cache did not see.
   int demote();
   static constexpr int kObservedQueries = 16;
+  // Formats with a budget (KvFormat::evicts): drops the least attended cold
+  // blocks (ranked as demote() ranks them) until about `budget` of the
+  // blocks are left, always keeping the hot ones (sinks, window, tail) and
+  // the first and the last block (StreamingLLM's sinks and recent window).
+  // The kept runs of blocks become segments moved back over the gaps (the
+  // positions of the context close up, as StreamingLLM's cache does), so
+  // nothing is copied or requantized, and new tokens go to a fresh tail.
+  // Returns the kept token ranges [begin, end) in the old positions (what a
+  // caller keeps of its token ids); empty when nothing was dropped (the same
+  // cases as demote(), and a budget that keeps every block).
+  std::vector<std::pair<int, int>> evict();
 
   const KvFormat& format() const noexcept { return format_; }
   const std::vector<KvSegment>& segments() const noexcept { return segments_; }
@@ -148,6 +160,9 @@ class PooledKvCache final : public KvCache {
   // The tile attention reads this pass for view block b (the pass copy when it has one).
   const std::byte* pass_tile(int b, int kind, int layer, int kv_head) const;
   std::uint32_t block_flags() const noexcept;
+  // demote() and evict(): the observed attention per block of the only segment, and its cold blocks ranked by it.
+  std::vector<double> block_importance() const;
+  std::vector<int> cold_by_importance(const std::vector<double>& importance) const;
 
   std::shared_ptr<KvPool> pool_;
   KvFormat format_;

@@ -1,0 +1,135 @@
+// What a context's producer does to it when it is sealed or handed off, once
+// the whole context is known: re-precision of the least attended blocks
+// (demote) and dropping them (evict), both ranked by the attention that the
+// context's last queries give each block.
+#include <algorithm>
+#include <cmath>
+
+#include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_kernels.hpp"
+#include "qkvshare/kv/pooled_kv_cache.hpp"
+
+namespace qkvshare {
+
+std::vector<double> PooledKvCache::block_importance() const {
+  const KvShape& s = shape();
+  const int T = pool_->block_tokens(), D = s.head_dim, qd = s.q_dim(), L = s.n_layers;
+  const int group = s.n_heads / s.n_kv_heads;
+  const std::size_t nb = segments_[0].blocks.size();
+  std::vector<double> importance(nb, 0.0);
+  std::vector<float> keys(static_cast<std::size_t>(size_) * D), p(static_cast<std::size_t>(size_)), q(static_cast<std::size_t>(D));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int l = 0; l < L; ++l)
+    for (int kh = 0; kh < s.n_kv_heads; ++kh) {
+      read_rows(l, 0, kh, 0, size_, keys.data());
+      for (std::size_t w = 0; w < observed_pos_.size(); ++w) {
+        const int n_keys = std::min(observed_pos_[w] + 1, size_);
+        for (int g = 0; g < group; ++g) {
+          const float* src = &observed_[(w * static_cast<std::size_t>(L) + static_cast<std::size_t>(l)) * qd +
+                                        static_cast<std::size_t>((kh * group + g) * D)];
+          std::copy(src, src + D, q.begin());
+          if (format_.rotate_k) kv::rotate(q.data(), D);  // the keys are stored rotated
+          for (int j = 0; j < n_keys; ++j)
+            p[static_cast<std::size_t>(j)] = kernels::dot_f32(q.data(), &keys[static_cast<std::size_t>(j) * D], D) * scale;
+          kernels::softmax(p.data(), n_keys);
+          for (int j = 0; j < n_keys; ++j) importance[static_cast<std::size_t>(j / T)] += p[static_cast<std::size_t>(j)];
+        }
+      }
+    }
+  return importance;
+}
+
+// The cold blocks, most attended first.
+std::vector<int> PooledKvCache::cold_by_importance(const std::vector<double>& importance) const {
+  const int T = pool_->block_tokens();
+  std::vector<int> cold;
+  for (int b = 0; b < static_cast<int>(importance.size()); ++b)
+    if (!format_.block_is_hot(b, size_, T)) cold.push_back(b);
+  std::stable_sort(cold.begin(), cold.end(), [&](int a, int b) {
+    return importance[static_cast<std::size_t>(a)] > importance[static_cast<std::size_t>(b)];
+  });
+  return cold;
+}
+
+int PooledKvCache::demote() {
+  QKV_CHECK(!step_);
+  if (!format_.mixed() || segments_.size() != 1 || observed_pos_.empty()) return 0;
+  const KvShape& s = shape();
+  const int T = pool_->block_tokens(), D = s.head_dim, L = s.n_layers;
+  std::vector<BlockRef>& blocks = segments_[0].blocks;
+  const std::vector<int> cold = cold_by_importance(block_importance());
+  // All but the top share of the cold blocks end in the lo codecs.
+  std::vector<float> rows(static_cast<std::size_t>(T) * D);
+  int recoded = 0;
+  for (std::size_t i = static_cast<std::size_t>(format_.kept_blocks(static_cast<int>(cold.size()))); i < cold.size(); ++i) {
+    BlockRef& ref = blocks[static_cast<std::size_t>(cold[i])];
+    const BlockInfo info = pool_->info(ref);
+    if (info.k != format_.k || info.v != format_.v) continue;  // demoted already
+    const BlockRef lo = pool_->allocate(format_.lo_k, format_.lo_v, block_flags());
+    for (int kind = 0; kind < 2; ++kind) {
+      const KvCodec& from = kind == 0 ? info.k : info.v;
+      const KvCodec& to = kind == 0 ? format_.lo_k : format_.lo_v;
+      const TileLayout fl = tile_layout(from, T, D), tl = tile_layout(to, T, D);
+      for (int l = 0; l < L; ++l)
+        for (int kh = 0; kh < s.n_kv_heads; ++kh) {
+          kv::decode_tile_scalar(from, fl, pool_->tile(ref, kind, l, kh), T, rows.data());
+          kv::encode_tile(to, tl, rows.data(), pool_->tile(lo, kind, l, kh));
+        }
+    }
+    pool_->set_fill(lo, T);
+    pool_->release(ref);
+    ref = lo;
+    ++recoded;
+  }
+  return recoded;
+}
+
+std::vector<std::pair<int, int>> PooledKvCache::evict() {
+  QKV_CHECK(!step_);
+  if (!format_.evicts() || segments_.size() != 1 || observed_pos_.empty()) return {};
+  const int T = pool_->block_tokens();
+  const std::vector<BlockRef> blocks = segments_[0].blocks;
+  const int nb = static_cast<int>(blocks.size());
+  if (nb < 3) return {};  // the first and the last block always stay
+  // Sinks and the recent window (the format's, and at least a block each) stay.
+  std::vector<char> keep(static_cast<std::size_t>(nb), 0);
+  keep.front() = keep.back() = 1;
+  int kept = 2;
+  for (int b = 0; b < nb; ++b)
+    if (!keep[static_cast<std::size_t>(b)] && format_.block_is_hot(b, size_, T)) keep[static_cast<std::size_t>(b)] = 1, ++kept;
+  const int target = static_cast<int>(std::ceil(format_.budget * nb - 1e-9));
+  for (const int b : cold_by_importance(block_importance())) {
+    if (kept >= target) break;
+    if (!keep[static_cast<std::size_t>(b)]) keep[static_cast<std::size_t>(b)] = 1, ++kept;
+  }
+  if (kept == nb) return {};
+  // Each run of kept blocks becomes a segment, moved back over the gaps
+  // before it (offset = its new position - the position it was computed at).
+  std::vector<KvSegment> segs;
+  std::vector<std::pair<int, int>> ranges;
+  int placed = 0;
+  for (int b = 0; b < nb;) {
+    if (!keep[static_cast<std::size_t>(b)]) {
+      pool_->release(blocks[static_cast<std::size_t>(b)]);
+      ++b;
+      continue;
+    }
+    int e = b;
+    while (e < nb && keep[static_cast<std::size_t>(e)]) ++e;
+    const int begin = b * T, end = std::min(size_, e * T);
+    segs.push_back(KvSegment{placed - begin, std::vector<BlockRef>(blocks.begin() + b, blocks.begin() + e), 0, end - begin});
+    ranges.emplace_back(begin, end);
+    placed += end - begin;
+    b = e;
+  }
+  // As adopt() leaves a context whose last segment was moved: new tokens go to a fresh tail.
+  if (segs.back().position_offset != 0) segs.push_back(KvSegment{0, {}, 0, 0});
+  segments_ = std::move(segs);
+  size_ = placed;
+  base_ = size_ - segments_.back().tokens;
+  observed_.clear();
+  observed_pos_.clear();
+  return ranges;
+}
+
+}  // namespace qkvshare

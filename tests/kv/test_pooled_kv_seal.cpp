@@ -1,0 +1,118 @@
+// Token dropping at seal (PooledKvCache::evict): which blocks stay, how the
+// kept runs are placed, and that attention over them is the splice of the
+// same blocks (splice itself is checked against a fresh computation in
+// test_kv_splice.cpp).
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kv_test_util.hpp"
+#include "qkvshare/core/thread_pool.hpp"
+#include "qkvshare/kv/pooled_kv_cache.hpp"
+
+namespace qkvshare {
+namespace {
+
+using testing::random_pass;
+using testing::run_pass;
+
+KvRope test_rope(int head_dim) {
+  KvRope r;
+  for (int i = 0; i < head_dim / 2; ++i) r.inv_freq.push_back(static_cast<float>(std::pow(10000.0, -2.0 * i / head_dim)));
+  return r;
+}
+
+// Keys of blocks `hot_a` and `hot_b` point along the direction the last 16
+// queries of each head point along: those blocks get the attention.
+testing::Pass attended_pass(const KvShape& s, int n, int T, int hot_a, int hot_b, unsigned seed) {
+  auto pass = random_pass(s, n, seed);
+  for (int l = 0; l < s.n_layers; ++l)
+    for (int t = 0; t < n; ++t) {
+      for (int h = 0; h < s.n_kv_heads; ++h) {
+        float* k = &pass.k[static_cast<std::size_t>(l)][(static_cast<std::size_t>(t) * s.n_kv_heads + h) * s.head_dim];
+        if (t / T == hot_a || t / T == hot_b)
+          for (int c = 0; c < s.head_dim; ++c) k[c] = c == h ? 6.0f : 0.0f;
+      }
+      if (t >= n - 16)
+        for (int qh = 0; qh < s.n_heads; ++qh) {
+          float* q = &pass.q[static_cast<std::size_t>(l)][(static_cast<std::size_t>(t) * s.n_heads + qh) * s.head_dim];
+          for (int c = 0; c < s.head_dim; ++c) q[c] = c == qh / (s.n_heads / s.n_kv_heads) ? 3.0f : 0.0f;
+        }
+    }
+  return pass;
+}
+
+TEST(PooledKvSeal, EvictKeepsSinksWindowAndTheMostAttendedBlocks) {
+  ThreadPool threads(2);
+  const KvShape s{2, 6, 3, 16};
+  const int T = 8, n = 80;  // 10 full blocks: sink 0, window 9, 8 cold; a budget of 4 blocks
+  for (const char* text : {"int8:sink=8:window=8:budget=0.4", "f16:budget=0.4", "int4:lo=int2:top=0.5:budget=0.4"}) {
+    SCOPED_TRACE(text);
+    const KvFormat f = KvFormat::parse(text);
+    auto pool = KvPool::create(PoolConfig{s, T, KvPool::arena_bytes_for(s, T, f, 128, 6)});
+    const auto pass = attended_pass(s, n, T, 3, 6, 31);
+    {  // the six dropped blocks go back to the pool
+      PooledKvCache alone(pool, f, 128);
+      run_pass(alone, pass, n, threads);
+      alone.demote();
+      const std::uint64_t used = pool->counters().blocks_used;
+      EXPECT_EQ(alone.evict().size(), 4u);
+      EXPECT_EQ(pool->counters().blocks_used, used - 6);
+    }
+    {
+      PooledKvCache cache(pool, f, 128);
+      run_pass(cache, pass, n, threads);
+      cache.demote();  // the mixed format: demoted first, as seal does
+      const auto whole = cache.fork();  // what splice() reads the kept runs from
+      const auto kept = cache.evict();
+      const std::vector<std::pair<int, int>> want{{0, 8}, {24, 32}, {48, 56}, {72, 80}};
+      EXPECT_EQ(kept, want);
+      ASSERT_EQ(cache.size(), 32);
+      // Four moved runs and a fresh tail; the first sits where it was computed.
+      ASSERT_EQ(cache.segments().size(), 5u);
+      const int offsets[] = {0, -16, -32, -48, 0};
+      for (std::size_t i = 0; i < 5; ++i) {
+        EXPECT_EQ(cache.segments()[i].position_offset, offsets[i]) << i;
+        EXPECT_EQ(cache.segments()[i].tokens, i < 4 ? 8 : 0) << i;
+      }
+      EXPECT_EQ(cache.evict(), (std::vector<std::pair<int, int>>{}));  // several segments: evicted already
+      // The same runs spliced into an empty context read alike, bit for bit.
+      const KvRope rope = test_rope(s.head_dim);
+      PooledKvCache spliced(pool, f, 128);
+      for (const auto& [b, e] : want) spliced.splice(*whole, b, e, rope);
+      cache.set_rope(rope);
+      const auto next = random_pass(s, 5, 32);
+      EXPECT_EQ(run_pass(cache, next, 5, threads), run_pass(spliced, next, 5, threads));
+      EXPECT_EQ(cache.size(), 37);
+      // A consumer adopts the evicted context as it is.
+      auto adopted = PooledKvCache::adopt(pool, f, 128, cache.segments(), cache.size());
+      adopted->set_rope(rope);
+      EXPECT_EQ(run_pass(*adopted, next, 5, threads).size(), next.q[0].size() * s.n_layers);
+    }
+    EXPECT_EQ(pool->counters().blocks_used, 0u);
+  }
+}
+
+TEST(PooledKvSeal, EvictDoesNothingWithoutABudgetOrQueries) {
+  ThreadPool threads(1);
+  const KvShape s{2, 4, 2, 16};
+  auto pool = KvPool::create(PoolConfig{s, 8, 8 << 20});
+  PooledKvCache plain(pool, KvFormat::parse("int8"), 128);
+  run_pass(plain, random_pass(s, 40, 3), 40, threads);
+  EXPECT_TRUE(plain.evict().empty());
+  EXPECT_EQ(plain.size(), 40);
+  // A budget that every block meets (the first and last block always stay).
+  PooledKvCache small(pool, KvFormat::parse("int8:budget=0.5"), 128);
+  run_pass(small, random_pass(s, 16, 4), 16, threads);
+  EXPECT_TRUE(small.evict().empty());
+  EXPECT_EQ(small.size(), 16);
+  // A budget so small that only the first and last blocks stay.
+  PooledKvCache tiny(pool, KvFormat::parse("int8:budget=0.01"), 128);
+  run_pass(tiny, random_pass(s, 45, 5), 45, threads);
+  const auto kept = tiny.evict();
+  EXPECT_EQ(kept, (std::vector<std::pair<int, int>>{{0, 8}, {40, 45}}));
+  EXPECT_EQ(tiny.size(), 13);
+}
+
+}  // namespace
+}  // namespace qkvshare
