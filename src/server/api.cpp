@@ -188,10 +188,15 @@ Extension decode_extension(const json& v, const Limits& limits) {
       ext.grant_to = decode_agent_list(value, p);
     } else if (key == "reuse") {
       ext.auto_reuse = get_bool(value, p);
+    } else if (key == "recompute") {
+      ext.recompute = get_number(value, p, 0.0, 1.0);
     } else {
-      bad_request(p, fmt::format("'{}' is not a field of the qkvshare extension (context, mode, kv, grant_to, reuse)", p));
+      bad_request(p, fmt::format(
+                         "'{}' is not a field of the qkvshare extension (context, mode, kv, grant_to, reuse, recompute)", p));
     }
   }
+  if (ext.recompute && ext.mode != ReuseMode::splice)
+    bad_request("qkvshare.recompute", "'qkvshare.recompute' applies to mode splice only");
   if (mode_given && ext.context.empty())
     bad_request("qkvshare.mode", "'qkvshare.mode' needs 'qkvshare.context' (the context to continue, fork or splice)");
   if (!ext.context.empty() && ext.mode == ReuseMode::none) ext.mode = ReuseMode::continue_;

@@ -164,7 +164,8 @@ class BatchedScheduler final : public Scheduler {
                    fmt::format("mode=\"{}\",source=\"{}\"", to_string(job.reused_as),
                                job.automatic ? "auto" : job.base ? "handle" : "none"),
                    job.cached_tokens);
-      std::vector<TokenId> rest(job.prompt.begin() + job.cached_tokens, job.prompt.end());
+      // What the session does not hold yet (after a splice, more than the reused tokens).
+      std::vector<TokenId> rest(job.prompt.begin() + session->n_past(), job.prompt.end());
       metrics_.add("qkvshare_tokens_prefilled_total", "", static_cast<double>(rest.size()));
       if (job.n == 1) {
         r.choices.resize(1);
@@ -187,7 +188,34 @@ class BatchedScheduler final : public Scheduler {
     }
   }
 
+  // Splice: the job's own prefix is prefilled, the shared span reused from
+  // the named context's blocks at its new position (a share of it recomputed,
+  // the guard measuring it: engine/splice.hpp). Runs here, before the job
+  // joins the batch, because the splice needs the prefix's KV in place.
+  std::unique_ptr<Session> open_splice(Job& job) {
+    job.reused_as = ReuseMode::splice;
+    job.reused_from = ContextStore::name_of(*job.base);
+    auto session = new_pooled_session(store_.pool(), engine_, job.format, o_.capacity);
+    const Job::SpliceSpan sp = job.splice;
+    if (sp.tokens == 0) return session;  // nothing in common: prefilled as usual
+    const int whole = static_cast<int>(store_.tokens(*job.base).size());
+    std::unique_ptr<Session> src = store_.open_prefix(*job.base, job.tenant, whole, o_.capacity);
+    if (!src) return session;
+    if (sp.prompt_begin > 0)
+      engine_.forward(*session, std::span<const TokenId>(job.prompt.data(), static_cast<std::size_t>(sp.prompt_begin)));
+    job.spliced = splice_tokens(engine_, *session, dynamic_cast<const PooledKvCache&>(src->cache()), src->tokens(),
+                                sp.src_begin, sp.src_begin + sp.tokens, job.splice_options);
+    job.cached_tokens = job.spliced.reused;
+    metrics_.add("qkvshare_tokens_prefilled_total", "", sp.prompt_begin + job.spliced.recomputed + job.spliced.probe_tokens);
+    return session;
+  }
+
   std::unique_ptr<Session> open_reuse(Job& job) {
+    if (job.base && job.mode == ReuseMode::splice) {
+      job.cached_tokens = 0;
+      job.automatic = false;
+      return open_splice(job);
+    }
     const int limit = static_cast<int>(job.prompt.size()) - 1;  // at least one token is fed, for its logits
     std::optional<std::uint64_t> from = job.base;
     int want = 0;

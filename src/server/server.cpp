@@ -10,6 +10,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <span>
+#include <vector>
 
 #include "qkvshare/server/context_store.hpp"
 #include "qkvshare/server/metrics.hpp"
@@ -21,6 +23,28 @@ namespace qkvshare::server {
 using nlohmann::json;
 
 namespace {
+
+// Splices shorter than this are prefilled as text: the guard's probe alone costs 8 tokens.
+constexpr int kMinSpliceTokens = 16;
+
+// The longest run of tokens that a and b share (a classic dynamic program,
+// O(|a| |b|) steps over two rows: 64M for two 8k-token prompts, tens of ms).
+struct SharedRun {
+  int a_begin = 0, b_begin = 0, tokens = 0;
+};
+SharedRun longest_shared_run(std::span<const TokenId> a, std::span<const TokenId> b) {
+  SharedRun best;
+  std::vector<int> prev(b.size() + 1, 0), cur(b.size() + 1, 0);
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = a[i - 1] == b[j - 1] ? prev[j - 1] + 1 : 0;
+      if (cur[j] > best.tokens)
+        best = {static_cast<int>(i) - cur[j], static_cast<int>(j) - cur[j], cur[j]};
+    }
+    std::swap(prev, cur);
+  }
+  return best;
+}
 
 // A context the server seals is found again by its token prefix (automatic
 // reuse, fork, continue); one whose tokens were dropped at seal is not that
@@ -148,9 +172,6 @@ struct Server::Impl {
     job->tenant = tenant;
     job->endpoint = r.endpoint == Endpoint::chat ? "chat" : "completion";
     const Extension& x = r.ext;
-    if (x.mode == ReuseMode::splice)
-      throw ApiError(501, "not_implemented", "qkvshare.mode",
-                     "'qkvshare.mode': splice is not available in this build (it needs the splice layer); use continue or fork");
     const int vocab = engine.model().tokenizer().vocab_size();
     for (std::size_t i = 0; i < r.prompt_ids.size(); ++i)
       if (r.prompt_ids[i] >= vocab) bad_request("prompt", fmt::format("'prompt[{}]': token id {} is not below the vocabulary size {}", i, r.prompt_ids[i], vocab));
@@ -166,11 +187,18 @@ struct Server::Impl {
       const std::vector<TokenId> base = store->tokens(id);
       const KvFormat cf = store->format(id);
       if (x.kv && !(job->format == cf))
-        bad_request("qkvshare.kv", fmt::format("'qkvshare.kv': the context is stored as {}; continue and fork keep its format", cf.to_string()));
+        bad_request("qkvshare.kv", fmt::format("'qkvshare.kv': the context is stored as {}; continue, fork and splice keep its format", cf.to_string()));
       job->format = cf;
-      // Either the client resent the whole conversation (the context is a
-      // prefix of it) or it sends only what follows the context.
-      if (!(full.size() > base.size() && std::equal(base.begin(), base.end(), full.begin()))) {
+      if (x.mode == ReuseMode::splice) {
+        // The prompt is the client's own (its system prompt, its task); the
+        // context's tokens are reused where they occur in it. The last token
+        // is always fed, for its logits.
+        const auto run = longest_shared_run(std::span<const TokenId>(full.data(), full.size() - 1), base);
+        if (run.tokens >= kMinSpliceTokens) job->splice = {run.a_begin, run.b_begin, run.tokens};
+        if (x.recompute) job->splice_options.recompute = *x.recompute;
+      } else if (!(full.size() > base.size() && std::equal(base.begin(), base.end(), full.begin()))) {
+        // Either the client resent the whole conversation (the context is a
+        // prefix of it) or it sends only what follows the context.
         std::string tail;
         std::vector<TokenId> ids;
         if (r.endpoint == Endpoint::chat) {
@@ -221,6 +249,13 @@ struct Server::Impl {
                          {"from", job.reused_from.empty() ? json(nullptr) : json(job.reused_from)},
                          {"automatic", job.automatic}}},
               {"ttft_ms", job.ttft_seconds * 1e3}};
+    if (job.reused_as == ReuseMode::splice) {
+      const SpliceResult& sp = job.spliced;
+      j["splice"] = {{"prompt_begin", job.splice.prompt_begin}, {"context_begin", job.splice.src_begin},
+                     {"tokens", sp.tokens}, {"reused", sp.reused}, {"recomputed", sp.recomputed},
+                     {"fraction", sp.fraction}, {"guard_estimate", sp.estimate < 0 ? json(nullptr) : json(sp.estimate)},
+                     {"escalated", sp.escalated}, {"text", sp.text}};
+    }
     if (!job.choices.empty()) j["context"] = context_json(job.choices[0].context);
     if (job.choices.size() > 1) {
       json all = json::array();

@@ -217,9 +217,11 @@ Descriptor Descriptor::decode(std::span<const std::uint8_t> b, std::string_view 
          d.position_end, d.token_count);
   if (d.block_tokens == 0 || d.block_tokens > 4096 || (d.block_tokens & (d.block_tokens - 1)) != 0)
     fail(ErrorCode::bad_descriptor, "{}: block size {} is not a power of two in [1, 4096]", source, d.block_tokens);
-  if (d.block_count != (d.token_count + d.block_tokens - 1) / d.block_tokens)
-    fail(ErrorCode::bad_descriptor, "{}: {} blocks cannot hold {} tokens of {} per block", source, d.block_count,
-         d.token_count, d.block_tokens);
+  // Whole blocks, plus up to two partly used ones per segment of a spliced context.
+  const std::uint32_t least = (d.token_count + d.block_tokens - 1) / d.block_tokens;
+  if (d.block_count < least || d.block_count > least + 2 * kMaxContextSegments)
+    fail(ErrorCode::bad_descriptor, "{}: {} blocks cannot hold {} tokens of {} per block in at most {} segments", source,
+         d.block_count, d.token_count, d.block_tokens, kMaxContextSegments);
   if (d.window > kMaxTokens || d.sink > kMaxTokens)
     fail(ErrorCode::bad_descriptor, "{}: window {} / sink {} out of range", source, d.window, d.sink);
   return d;

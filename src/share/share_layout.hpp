@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "qkvshare/share/descriptor.hpp"
 #include "qkvshare/share/shm_region.hpp"
 
 namespace qkvshare::share_detail {
@@ -121,7 +122,7 @@ static_assert(sizeof(SegmentEntry) == 24);
 // Segments of one sealed context (a spliced context has two per splice, an
 // evicted one one per kept run of blocks); each may start and end inside a
 // block, hence two table entries more per segment than whole blocks.
-inline constexpr std::uint32_t kMaxRecordSegments = 64;
+inline constexpr std::uint32_t kMaxRecordSegments = kMaxContextSegments;
 
 // A full block's checksum, cached by (index, generation) so that sealing a
 // context that extends an earlier one hashes only the new blocks.

@@ -59,7 +59,14 @@ def test_malformed_and_wrong_shapes(server):
              404, "context", ["ctx-0000000000000fff"])
     error_of(post(server, "/v1/chat/completions",
                   {"messages": MSG, "qkvshare": {"context": "ctx-0000000000000fff", "mode": "splice"}}),
-             501, "qkvshare.mode", ["splice"])
+             404, "context", ["ctx-0000000000000fff"])
+    error_of(post(server, "/v1/chat/completions",
+                  {"messages": MSG, "qkvshare": {"context": "ctx-0000000000000fff", "recompute": 0.5}}),
+             400, "qkvshare.recompute", ["splice"])
+    error_of(post(server, "/v1/chat/completions",
+                  {"messages": MSG, "qkvshare": {"context": "ctx-0000000000000fff", "mode": "splice",
+                                                 "recompute": 2}}),
+             400, "qkvshare.recompute", [])
 
 
 def test_huge_body_is_413(make_server):

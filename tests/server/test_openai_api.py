@@ -119,3 +119,47 @@ def test_curl_stream_and_error_shape(server):
     body, code = err.rsplit("\n", 1)
     assert code == "400"
     assert "not valid JSON" in json.loads(body)["error"]["message"]
+
+
+def test_splice_reuses_another_agents_reply_under_its_own_prompt(make_server):
+    """A writer with its own system prompt quotes the researcher's reply: mode
+    splice reuses the reply's KV where it sits in the writer's prompt (moved,
+    a share recomputed, the guard measuring it); recompute 1.0 is the text
+    handoff and answers exactly as a request that reuses nothing."""
+    s = make_server("--kv", "f32")
+    c = client(s)
+    research = c.chat.completions.create(
+        model="stories260K", max_tokens=60, temperature=0,
+        messages=[{"role": "system", "content": "You are a researcher."},
+                  {"role": "user", "content": "Tell me about a dog in a park."}])
+    notes = research.choices[0].message.content
+    handle = research.model_extra["qkvshare"]["context"]["handle"]
+    writer = [{"role": "system", "content": "You are a writer."},
+              {"role": "user", "content": "Notes: " + notes + "\nNow write the story."}]
+    spliced = c.chat.completions.create(model="stories260K", messages=writer, max_tokens=20, temperature=0,
+                                        extra_body={"qkvshare": {"context": handle, "mode": "splice"}})
+    ext = spliced.model_extra["qkvshare"]
+    assert ext["reuse"]["mode"] == "splice"
+    sp = ext["splice"]
+    assert sp["tokens"] >= 16 and sp["prompt_begin"] > 0, sp  # the reply sits inside the writer's prompt
+    assert sp["reused"] + sp["recomputed"] == sp["tokens"]
+    assert sp["guard_estimate"] is not None
+    assert spliced.usage.prompt_tokens_details.cached_tokens == sp["reused"]
+    assert ext["reused_tokens"] + ext["computed_tokens"] == spliced.usage.prompt_tokens
+    if not sp["text"]:
+        assert sp["reused"] > 0
+    # The spliced context is sealed with its segments and continues like any other.
+    follow = c.chat.completions.create(
+        model="stories260K", max_tokens=10, temperature=0,
+        messages=writer + [{"role": "assistant", "content": spliced.choices[0].message.content},
+                           {"role": "user", "content": "Again."}],
+        extra_body={"qkvshare": {"context": ext["context"]["handle"]}})
+    assert follow.model_extra["qkvshare"]["reused_tokens"] > sp["tokens"]
+    exact = c.chat.completions.create(model="stories260K", messages=writer, max_tokens=20, temperature=0,
+                                      extra_body={"qkvshare": {"context": handle, "mode": "splice", "recompute": 1.0}})
+    fresh = c.chat.completions.create(model="stories260K", messages=writer, max_tokens=20, temperature=0,
+                                      extra_body={"qkvshare": {"reuse": False}})
+    assert exact.model_extra["qkvshare"]["splice"]["reused"] == 0
+    assert exact.choices[0].message.content == fresh.choices[0].message.content
+    m = s.wait_idle()
+    assert m.get('qkvshare_tokens_reused_total{mode="splice",source="handle"}', 0) == sp["reused"]

@@ -138,7 +138,8 @@ TEST(Descriptor, RejectsInconsistentFieldsEvenWithAValidChecksum) {
   EXPECT_NE(edit(48, 0).find("token count"), std::string::npos);          // tokens 0 (with a 100-token range)
   EXPECT_NE(edit(56, 99).find("position range"), std::string::npos);     // end != begin + tokens
   EXPECT_NE(edit(60, 33).find("power of two"), std::string::npos);        // block size
-  EXPECT_NE(edit(64, 5).find("blocks cannot hold"), std::string::npos);   // block count
+  EXPECT_NE(edit(64, 3).find("blocks cannot hold"), std::string::npos);   // too few blocks
+  EXPECT_NE(edit(65, 1).find("blocks cannot hold"), std::string::npos);   // 260: more than 64 segments could use
   EXPECT_NE(edit(12, 1).find("flags"), std::string::npos);
   EXPECT_NE(edit(240, 1).find("reserved"), std::string::npos);
   EXPECT_NE(edit(230, 1).find("mixed-precision"), std::string::npos);  // low codecs without a share

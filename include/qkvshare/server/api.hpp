@@ -55,6 +55,7 @@ struct Extension {
   std::optional<std::string> kv;       // KV format of a new context (kv_format.hpp syntax)
   std::vector<std::string> grant_to;   // agent ids that get a handle to the result
   bool auto_reuse = true;              // "reuse": false turns the index off for this request
+  std::optional<double> recompute;     // splice: share of the reused span recomputed (0..1; SpliceOptions)
 };
 
 struct Limits {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "qkvshare/engine/sampler.hpp"
+#include "qkvshare/engine/splice.hpp"
 #include "qkvshare/kv/kv_format.hpp"
 #include "qkvshare/server/api.hpp"
 #include "qkvshare/server/context_store.hpp"
@@ -47,8 +48,14 @@ struct Job {
   // Set by the HTTP handler before submit().
   std::string tenant, endpoint;
   std::vector<TokenId> prompt;              // the whole prompt
-  std::optional<std::uint64_t> base;        // an explicit context (a prefix of `prompt`)
-  ReuseMode mode = ReuseMode::none;         // continue / fork with `base`
+  std::optional<std::uint64_t> base;        // an explicit context (a prefix of `prompt`, but for splice)
+  ReuseMode mode = ReuseMode::none;         // continue / fork / splice with `base`
+  // Splice: base's tokens [src_begin, src_begin + tokens) are prompt's
+  // [prompt_begin, ...) (the longest run they share; tokens 0: none).
+  struct SpliceSpan {
+    int prompt_begin = 0, src_begin = 0, tokens = 0;
+  } splice;
+  SpliceOptions splice_options;
   bool auto_reuse = true;
   KvFormat format;
   std::vector<std::string> grant_to;
@@ -70,6 +77,7 @@ struct Job {
   ReuseMode reused_as = ReuseMode::none;    // how the cached tokens were obtained
   std::string reused_from;                  // the context they came from
   bool automatic = false;                   // found by the index, not named by the client
+  SpliceResult spliced;                     // mode splice: what the splice reused, recomputed and measured
   double ttft_seconds = 0.0;
 };
 

@@ -22,6 +22,9 @@
 
 namespace qkvshare {
 
+// Segments of one sealed context (share records, descriptors' block counts).
+inline constexpr std::uint32_t kMaxContextSegments = 64;
+
 inline constexpr std::size_t kDescriptorBytes = 256;
 inline constexpr std::size_t kAgentIdBytes = 32;
 inline constexpr std::uint16_t kDescriptorVersion = 1;
