@@ -18,6 +18,9 @@ namespace qkvshare::server {
 
 namespace {
 
+// Shorter runs of another context are prefilled: a splice costs its guard's 8-token probe.
+constexpr int kMinAutoSplice = 32;
+
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -160,10 +163,13 @@ class BatchedScheduler final : public Scheduler {
       std::unique_ptr<Session> session = open_reuse(job);
       job.prompt_tokens = static_cast<int>(job.prompt.size());
       metrics_.add("qkvshare_prompt_tokens_total", "", job.prompt_tokens);
-      metrics_.add("qkvshare_tokens_reused_total",
-                   fmt::format("mode=\"{}\",source=\"{}\"", to_string(job.reused_as),
-                               job.automatic ? "auto" : job.base ? "handle" : "none"),
-                   job.cached_tokens);
+      int spliced = 0;  // counted by splice_span under mode="splice"
+      for (const Job::Splice& sp : job.splices) spliced += sp.result.reused;
+      if (job.reused_as != ReuseMode::splice)
+        metrics_.add("qkvshare_tokens_reused_total",
+                     fmt::format("mode=\"{}\",source=\"{}\"", to_string(job.reused_as),
+                                 job.automatic ? "auto" : job.base ? "handle" : "none"),
+                     job.cached_tokens - spliced);
       // What the session does not hold yet (after a splice, more than the reused tokens).
       std::vector<TokenId> rest(job.prompt.begin() + session->n_past(), job.prompt.end());
       metrics_.add("qkvshare_tokens_prefilled_total", "", static_cast<double>(rest.size()));
@@ -188,41 +194,69 @@ class BatchedScheduler final : public Scheduler {
     }
   }
 
-  // Splice: the job's own prefix is prefilled, the shared span reused from
-  // the named context's blocks at its new position (a share of it recomputed,
-  // the guard measuring it: engine/splice.hpp). Runs here, before the job
-  // joins the batch, because the splice needs the prefix's KV in place.
-  std::unique_ptr<Session> open_splice(Job& job) {
-    job.reused_as = ReuseMode::splice;
-    job.reused_from = ContextStore::name_of(*job.base);
-    auto session = new_pooled_session(store_.pool(), engine_, job.format, o_.capacity);
-    const Job::SpliceSpan sp = job.splice;
-    if (sp.tokens == 0) return session;  // nothing in common: prefilled as usual
-    const int whole = static_cast<int>(store_.tokens(*job.base).size());
-    std::unique_ptr<Session> src = store_.open_prefix(*job.base, job.tenant, whole, o_.capacity);
-    if (!src) return session;
-    if (sp.prompt_begin > 0)
-      engine_.forward(*session, std::span<const TokenId>(job.prompt.data(), static_cast<std::size_t>(sp.prompt_begin)));
-    job.spliced = splice_tokens(engine_, *session, dynamic_cast<const PooledKvCache&>(src->cache()), src->tokens(),
-                                sp.src_begin, sp.src_begin + sp.tokens, job.splice_options);
-    job.cached_tokens = job.spliced.reused;
-    metrics_.add("qkvshare_tokens_prefilled_total", "", sp.prompt_begin + job.spliced.recomputed + job.spliced.probe_tokens);
-    return session;
+  // Splices run here, on the worker thread before the job joins the batch:
+  // a splice needs the KV of everything before it in place, so the text
+  // before each span is prefilled inline. The span's tokens come from the
+  // source context's blocks at their new position, a share recomputed under
+  // the guard (engine/splice.hpp).
+  void splice_span(Job& job, Session& session, std::uint64_t from, int prompt_begin, int context_begin, int tokens) {
+    const int whole = static_cast<int>(store_.tokens(from).size());
+    std::unique_ptr<Session> src = store_.open_prefix(from, job.tenant, whole, o_.capacity);
+    if (!src || src->n_past() != whole) return;  // gone or cut: the span is prefilled with the rest
+    if (prompt_begin > session.n_past()) {
+      const std::span<const TokenId> gap(job.prompt.data() + session.n_past(),
+                                         static_cast<std::size_t>(prompt_begin - session.n_past()));
+      engine_.forward(session, gap);
+      metrics_.add("qkvshare_tokens_prefilled_total", "", static_cast<double>(gap.size()));
+    }
+    Job::Splice sp{prompt_begin, context_begin, ContextStore::name_of(from), {}};
+    sp.result = splice_tokens(engine_, session, dynamic_cast<const PooledKvCache&>(src->cache()), src->tokens(),
+                              context_begin, context_begin + tokens, job.splice_options);
+    job.cached_tokens += sp.result.reused;
+    metrics_.add("qkvshare_tokens_prefilled_total", "", sp.result.recomputed + sp.result.probe_tokens);
+    metrics_.add("qkvshare_tokens_reused_total",
+                 fmt::format("mode=\"splice\",source=\"{}\"", job.base ? "handle" : "auto"), sp.result.reused);
+    job.splices.push_back(std::move(sp));
+  }
+
+  // Automatic reuse after the prefix: runs of the tenant's other contexts
+  // inside the rest of the prompt (other agents' replies quoted in it).
+  void auto_splices(Job& job, Session& session) {
+    const auto* cache = dynamic_cast<const PooledKvCache*>(&session.cache());
+    if (cache == nullptr) return;
+    const int end = static_cast<int>(job.prompt.size()) - 1;  // the last token is fed, for its logits
+    for (const ReuseIndex::Span& s :
+         store_.find_spans(job.tenant, job.format, job.prompt, session.n_past(), end, kMinAutoSplice)) {
+      // A splice adds a segment or two; a sealed record holds kMaxContextSegments.
+      if (cache->segments().size() + 4 > kMaxContextSegments) break;
+      if (s.prompt_begin < session.n_past()) continue;
+      splice_span(job, session, s.context_id, s.prompt_begin, s.context_begin, s.tokens);
+    }
   }
 
   std::unique_ptr<Session> open_reuse(Job& job) {
-    if (job.base && job.mode == ReuseMode::splice) {
-      job.cached_tokens = 0;
-      job.automatic = false;
-      return open_splice(job);
-    }
-    const int limit = static_cast<int>(job.prompt.size()) - 1;  // at least one token is fed, for its logits
-    std::optional<std::uint64_t> from = job.base;
-    int want = 0;
     job.cached_tokens = 0;
     job.reused_as = ReuseMode::none;
     job.automatic = false;
     job.reused_from.clear();
+    job.splices.clear();
+    if (job.base && job.mode == ReuseMode::splice) {
+      job.reused_as = ReuseMode::splice;
+      job.reused_from = ContextStore::name_of(*job.base);
+      auto session = new_pooled_session(store_.pool(), engine_, job.format, o_.capacity);
+      if (job.splice.tokens > 0)
+        splice_span(job, *session, *job.base, job.splice.prompt_begin, job.splice.src_begin, job.splice.tokens);
+      return session;
+    }
+    std::unique_ptr<Session> session = open_prefix(job);
+    if (job.auto_reuse && !job.base) auto_splices(job, *session);
+    return session;
+  }
+
+  std::unique_ptr<Session> open_prefix(Job& job) {
+    const int limit = static_cast<int>(job.prompt.size()) - 1;  // at least one token is fed, for its logits
+    std::optional<std::uint64_t> from = job.base;
+    int want = 0;
     if (job.base) {
       want = std::min(static_cast<int>(store_.tokens(*job.base).size()), limit);
     } else if (job.auto_reuse) {

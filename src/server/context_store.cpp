@@ -165,6 +165,14 @@ ReuseIndex::Match ContextStore::lookup(const std::string& tenant, const KvFormat
   return index_.longest_prefix(partition(tenant, format), prompt);
 }
 
+std::vector<ReuseIndex::Span> ContextStore::find_spans(const std::string& tenant, const KvFormat& format,
+                                                       std::span<const TokenId> prompt, int from, int end,
+                                                       int min_tokens) {
+  std::lock_guard lock(mu_);
+  if (!options_.auto_reuse) return {};
+  return index_.spans(partition(tenant, format), prompt, from, end, min_tokens);
+}
+
 std::unique_ptr<Session> ContextStore::open_prefix(std::uint64_t id, const std::string& tenant, int tokens, int capacity) {
   std::lock_guard lock(mu_);
   Entry& e = visible(tenant, id);
@@ -175,7 +183,7 @@ std::unique_ptr<Session> ContextStore::open_prefix(std::uint64_t id, const std::
   const int n = static_cast<int>(e.tokens.size());
   tokens = std::min(tokens, n);
   if (tokens == n) return std::make_unique<Session>(std::move(oc.cache), std::move(oc.tokens));
-  if (oc.cache->segments().size() > 1) return nullptr;  // a prefix of moved segments is not cut here: recompute
+  if (oc.cache->segments().size() > 1) return cut_segments(*oc.cache, e, tokens, capacity);
   // A prefix: the first blocks of the table, the last one cut where the
   // prompt departs. Only a hot (row-coded) block can be cut; for a cold one
   // fall back to the block boundary and recompute the rest.
@@ -193,6 +201,39 @@ std::unique_ptr<Session> ContextStore::open_prefix(std::uint64_t id, const std::
     } catch (const Error& err) {
       if (err.code() != ErrorCode::invalid_argument) throw;
       tokens = tokens / T * T;
+    }
+  }
+  return nullptr;
+}
+
+// A prefix of a context of several segments: the segments before the cut
+// whole, the one across it shortened (a frozen segment reads any range of its
+// blocks). A cut that leaves the last kept segment writable inside a
+// quantized block falls back to that block's start, as for one segment.
+std::unique_ptr<Session> ContextStore::cut_segments(const PooledKvCache& cache, const Entry& e, int tokens,
+                                                    int capacity) {
+  const auto kv = pool_->kv_pool(engine_.kv_shape());
+  const int T = kv->block_tokens();
+  for (int attempt = 0; attempt < 2 && tokens > 0; ++attempt) {
+    std::vector<KvSegment> segs;
+    int acc = 0;
+    for (const KvSegment& s : cache.segments()) {
+      if (acc >= tokens) break;
+      if (s.tokens == 0) continue;
+      const int keep = std::min(s.tokens, tokens - acc);
+      KvSegment k{s.position_offset, {}, s.first_row, keep};
+      k.blocks.assign(s.blocks.begin(), s.blocks.begin() + (s.first_row + keep + T - 1) / T);
+      segs.push_back(std::move(k));
+      acc += keep;
+    }
+    const int last_start = acc - segs.back().tokens;
+    try {
+      auto cut = PooledKvCache::adopt(kv, e.format, capacity, std::move(segs), tokens);
+      cut->set_rope(engine_.rope());
+      return std::make_unique<Session>(std::move(cut), std::vector<TokenId>(e.tokens.begin(), e.tokens.begin() + tokens));
+    } catch (const Error& err) {
+      if (err.code() != ErrorCode::invalid_argument) throw;
+      tokens = last_start + (tokens - last_start) / T * T;
     }
   }
   return nullptr;

@@ -249,12 +249,17 @@ struct Server::Impl {
                          {"from", job.reused_from.empty() ? json(nullptr) : json(job.reused_from)},
                          {"automatic", job.automatic}}},
               {"ttft_ms", job.ttft_seconds * 1e3}};
-    if (job.reused_as == ReuseMode::splice) {
-      const SpliceResult& sp = job.spliced;
-      j["splice"] = {{"prompt_begin", job.splice.prompt_begin}, {"context_begin", job.splice.src_begin},
-                     {"tokens", sp.tokens}, {"reused", sp.reused}, {"recomputed", sp.recomputed},
-                     {"fraction", sp.fraction}, {"guard_estimate", sp.estimate < 0 ? json(nullptr) : json(sp.estimate)},
-                     {"escalated", sp.escalated}, {"text", sp.text}};
+    if (!job.splices.empty()) {
+      json all = json::array();
+      for (const Job::Splice& s : job.splices) {
+        const SpliceResult& r = s.result;
+        all.push_back({{"from", s.from}, {"prompt_begin", s.prompt_begin}, {"context_begin", s.context_begin},
+                       {"tokens", r.tokens}, {"reused", r.reused}, {"recomputed", r.recomputed},
+                       {"probe_tokens", r.probe_tokens}, {"fraction", r.fraction},
+                       {"guard_estimate", r.estimate < 0 ? json(nullptr) : json(r.estimate)},
+                       {"escalated", r.escalated}, {"text", r.text}});
+      }
+      j["splices"] = all;
     }
     if (!job.choices.empty()) j["context"] = context_json(job.choices[0].context);
     if (job.choices.size() > 1) {

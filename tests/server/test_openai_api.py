@@ -140,7 +140,9 @@ def test_splice_reuses_another_agents_reply_under_its_own_prompt(make_server):
                                         extra_body={"qkvshare": {"context": handle, "mode": "splice"}})
     ext = spliced.model_extra["qkvshare"]
     assert ext["reuse"]["mode"] == "splice"
-    sp = ext["splice"]
+    assert len(ext["splices"]) == 1
+    sp = ext["splices"][0]
+    assert sp["from"] == research.model_extra["qkvshare"]["context"]["id"]
     assert sp["tokens"] >= 16 and sp["prompt_begin"] > 0, sp  # the reply sits inside the writer's prompt
     assert sp["reused"] + sp["recomputed"] == sp["tokens"]
     assert sp["guard_estimate"] is not None
@@ -159,7 +161,34 @@ def test_splice_reuses_another_agents_reply_under_its_own_prompt(make_server):
                                       extra_body={"qkvshare": {"context": handle, "mode": "splice", "recompute": 1.0}})
     fresh = c.chat.completions.create(model="stories260K", messages=writer, max_tokens=20, temperature=0,
                                       extra_body={"qkvshare": {"reuse": False}})
-    assert exact.model_extra["qkvshare"]["splice"]["reused"] == 0
+    assert exact.model_extra["qkvshare"]["splices"][0]["reused"] == 0
     assert exact.choices[0].message.content == fresh.choices[0].message.content
     m = s.wait_idle()
     assert m.get('qkvshare_tokens_reused_total{mode="splice",source="handle"}', 0) == sp["reused"]
+
+
+def test_automatic_reuse_splices_replies_quoted_in_a_prompt(make_server):
+    """No handle: the index finds the researcher's reply inside the writer's
+    prompt (its own system prompt first) and splices it; the usage counts it."""
+    s = make_server("--kv", "f32")
+    c = client(s)
+    research = c.chat.completions.create(
+        model="stories260K", max_tokens=80, temperature=0,
+        messages=[{"role": "system", "content": "You are a researcher."},
+                  {"role": "user", "content": "Tell me about a cat and a ball."}])
+    notes = research.choices[0].message.content
+    writer = [{"role": "system", "content": "You are a writer."},
+              {"role": "user", "content": "Notes: " + notes + "\nNow write the story."}]
+    r = c.chat.completions.create(model="stories260K", messages=writer, max_tokens=10, temperature=0)
+    ext = r.model_extra["qkvshare"]
+    assert ext["splices"], ext
+    sp = ext["splices"][0]
+    assert sp["from"] == research.model_extra["qkvshare"]["context"]["id"]
+    assert sp["tokens"] >= 32 and sp["reused"] + sp["recomputed"] == sp["tokens"]
+    spliced = sum(x["reused"] for x in ext["splices"])
+    assert r.usage.prompt_tokens_details.cached_tokens >= spliced
+    off = c.chat.completions.create(model="stories260K", messages=writer, max_tokens=10, temperature=0,
+                                    extra_body={"qkvshare": {"reuse": False}})
+    assert "splices" not in off.model_extra["qkvshare"]
+    m = s.wait_idle()
+    assert m.get('qkvshare_tokens_reused_total{mode="splice",source="auto"}', 0) >= spliced

@@ -60,3 +60,45 @@ TEST(ReuseIndex, EraseAndReplace) {
   idx.erase(1);
   EXPECT_EQ(idx.size(), 0u);
 }
+
+// Spans: runs of other contexts anywhere in a prompt, found through the
+// anchors (every 16 tokens), extended both ways, non-overlapping, partitioned.
+TEST(ReuseIndex, FindsRunsOfOtherContextsInsideAPrompt) {
+  ReuseIndex idx(32);
+  const auto reply_a = seq(70, 1000);   // another agent's context
+  const auto reply_b = seq(40, 5000);
+  idx.insert(1, "t", reply_a);
+  idx.insert(2, "t", reply_b);
+  idx.insert(3, "u", seq(70, 1000));  // another tenant's copy of A
+  // [own 10][A 5..65][own 7][B 0..40][own 3]
+  std::vector<TokenId> prompt = seq(10, 1);
+  prompt.insert(prompt.end(), reply_a.begin() + 5, reply_a.begin() + 65);
+  for (int i = 0; i < 7; ++i) prompt.push_back(900 + i);
+  prompt.insert(prompt.end(), reply_b.begin(), reply_b.end());
+  for (int i = 0; i < 3; ++i) prompt.push_back(950 + i);
+  const int n = static_cast<int>(prompt.size());
+  auto spans = idx.spans("t", prompt, 0, n, 32);
+  ASSERT_EQ(spans.size(), 2u);
+  EXPECT_EQ(spans[0].context_id, 1u);
+  EXPECT_EQ(spans[0].prompt_begin, 10);
+  EXPECT_EQ(spans[0].context_begin, 5);  // extended back from the anchor at 16
+  EXPECT_EQ(spans[0].tokens, 60);
+  EXPECT_EQ(spans[1].context_id, 2u);
+  EXPECT_EQ(spans[1].prompt_begin, 77);
+  EXPECT_EQ(spans[1].context_begin, 0);
+  EXPECT_EQ(spans[1].tokens, 40);
+  // A window that starts inside A: the run is cut at `from`; a minimum above B's length drops B.
+  spans = idx.spans("t", prompt, 20, n, 41);
+  ASSERT_EQ(spans.size(), 1u);
+  EXPECT_EQ(spans[0].prompt_begin, 20);
+  EXPECT_EQ(spans[0].context_begin, 15);
+  EXPECT_EQ(spans[0].tokens, 50);
+  // `end` bounds the runs; another partition sees only its own contexts.
+  EXPECT_EQ(idx.spans("t", prompt, 0, 50, 32).front().tokens, 40);
+  EXPECT_EQ(idx.spans("u", prompt, 0, n, 32).size(), 1u);
+  EXPECT_TRUE(idx.spans("v", prompt, 0, n, 32).empty());
+  idx.erase(1);
+  spans = idx.spans("t", prompt, 0, n, 32);
+  ASSERT_EQ(spans.size(), 1u);
+  EXPECT_EQ(spans[0].context_id, 2u);
+}

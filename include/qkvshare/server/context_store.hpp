@@ -60,6 +60,9 @@ class ContextStore {
 
   // Longest indexed prefix of `prompt` among `tenant`'s contexts in `format`.
   ReuseIndex::Match lookup(const std::string& tenant, const KvFormat& format, std::span<const TokenId> prompt);
+  // Runs of `tenant`'s contexts in `format` inside prompt[from, end) (ReuseIndex::spans).
+  std::vector<ReuseIndex::Span> find_spans(const std::string& tenant, const KvFormat& format,
+                                           std::span<const TokenId> prompt, int from, int end, int min_tokens);
 
   // A session on the first `tokens` tokens of context `id` (no KV copied), of
   // `capacity` tokens. The result may hold fewer tokens (down to a block
@@ -111,6 +114,7 @@ class ContextStore {
                         const KvFormat& format, const std::vector<std::string>& grant_to, bool index);
   void drop_locked(std::uint64_t id);
   bool evict_one_locked();
+  std::unique_ptr<Session> cut_segments(const PooledKvCache& cache, const Entry& e, int tokens, int capacity);
 
   std::shared_ptr<SharePool> pool_;
   Engine& engine_;

@@ -77,7 +77,14 @@ struct Job {
   ReuseMode reused_as = ReuseMode::none;    // how the cached tokens were obtained
   std::string reused_from;                  // the context they came from
   bool automatic = false;                   // found by the index, not named by the client
-  SpliceResult spliced;                     // mode splice: what the splice reused, recomputed and measured
+  // Every splice the job made (mode splice: one; automatic reuse: a span of
+  // another context found inside the prompt after its prefix, each).
+  struct Splice {
+    int prompt_begin = 0, context_begin = 0;
+    std::string from;
+    SpliceResult result;
+  };
+  std::vector<Splice> splices;
   double ttft_seconds = 0.0;
 };
 
