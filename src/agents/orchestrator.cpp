@@ -92,6 +92,17 @@ class Run {
   Run(const Workflow& wf, const std::string& model_path, const std::string& tok_path, const RunOptions& opts)
       : wf_(wf), opts_(opts) {
     const auto t0 = Clock::now();
+    // Steps reuse each other's tokens by position (splice parts, reply
+    // offsets); a context that dropped tokens at seal would not match them.
+    const auto keeps_every_token = [](const std::string& text, const std::string& where) {
+      if (!text.empty() && KvFormat::parse(text).evicts())
+        fail(ErrorCode::invalid_argument,
+             "{}: KV format {} drops tokens when a context is handed off (budget); workflow steps build on each "
+             "other's tokens by position, so they keep every token",
+             where, text);
+    };
+    keeps_every_token(opts.kv, "--kv");
+    for (const auto& [name, agent] : wf.agents) keeps_every_token(agent.kv, "agent '" + name + "' kv");
     if (opts.mode == RunMode::independent) {
       // Each agent that runs a step is its own engine with its own weights.
       for (const auto& s : wf.steps) {

@@ -73,6 +73,27 @@ TEST(Orchestrator, ContinueEqualsOneSessionRunningTheSameTokens) {
   EXPECT_EQ(r.steps[1].prefill_computed, static_cast<int>(feed2.size()));
 }
 
+// Dropping tokens at handoff (budget=) would break the steps' token
+// positions: refused by name before anything loads, for --kv and per agent.
+TEST(Orchestrator, RefusesFormatsThatDropTokens) {
+  const Workflow wf = Workflow::parse(kChain, "chain.yaml");
+  try {
+    run_workflow(wf, kModel, kTok, options(RunMode::qkvshare, "int8:budget=0.5"));
+    FAIL() << "a budget format was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("--kv"), std::string::npos) << e.what();
+  }
+  std::string per_agent = kChain;
+  per_agent.replace(per_agent.find("    max_tokens: 30"), 18, "    max_tokens: 30\n    kv: f16:budget=0.4");
+  try {
+    run_workflow(Workflow::parse(per_agent, "chain.yaml"), kModel, kTok, options(RunMode::qkvshare, "int8"));
+    FAIL() << "a budget format was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("agent 'continuer'"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Orchestrator, NoContextOutlivesItsLastConsumer) {
   const char* fanout = R"(agents:
   reader: {prompt: "The dog ran to the park and found a red ball.", max_tokens: 0}
