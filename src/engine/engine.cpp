@@ -169,7 +169,7 @@ void Engine::run_batch(std::span<const BatchEntry> entries) {
     for (std::size_t i = 0; i < E; ++i) {
       if (!alive_[i]) continue;
       KvCache& cache = entries[i].session->cache();
-      const int p0 = cache.size(), r0 = row0_[i];
+      const int p0 = cache.next_position(), r0 = row0_[i];
       for (int t = 0; t < rows(i); ++t) {
         const std::int64_t r = r0 + t;
         if (lw.bq) {

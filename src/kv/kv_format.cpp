@@ -198,6 +198,14 @@ KvFormat KvFormat::parse(std::string_view text) {
       f.lo_k = lo.k;
       f.lo_v = lo.v;
       has_lo = true;
+    } else if (key == "positions") {
+      if (val == "keep") f.close_positions = false;
+      else if (val == "close") f.close_positions = true;
+      else fail(ErrorCode::invalid_argument, "KV format '{}': positions must be keep or close, got '{}'", whole, val);
+    } else if (key == "rank") {
+      if (val == "attention") f.rank = Rank::attention;
+      else if (val == "recent") f.rank = Rank::recent;
+      else fail(ErrorCode::invalid_argument, "KV format '{}': rank must be attention or recent, got '{}'", whole, val);
     } else if (key == "top" || key == "budget") {
       const std::string v(val);
       char* end = nullptr;
@@ -209,7 +217,7 @@ KvFormat KvFormat::parse(std::string_view text) {
       has_top = has_top || key == "top";
     } else {
       fail(ErrorCode::invalid_argument,
-           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, lo, top, budget)",
+           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, lo, top, budget, rank, positions)",
            whole, key);
     }
   }
@@ -218,6 +226,11 @@ KvFormat KvFormat::parse(std::string_view text) {
   if (has_lo && (!f.k.quantized() || !f.v.quantized()))
     fail(ErrorCode::invalid_argument, "KV format '{}': mixed precision needs integer high-precision codes", whole);
   if (has_lo && f.lo_v.axis == KvAxis::token && f.v.axis == KvAxis::token) f.lo_v.group = f.v.group;
+  if (f.close_positions && !f.evicts())
+    fail(ErrorCode::invalid_argument, "KV format '{}': positions applies to dropping (budget)", whole);
+  if (f.rank != Rank::attention && !f.observes())
+    fail(ErrorCode::invalid_argument, "KV format '{}': rank applies to mixed precision (lo, top) or dropping (budget)",
+         whole);
   if (f.window > (1 << 24) || f.sink > (1 << 24))
     fail(ErrorCode::invalid_argument, "KV format '{}': window/sink too large", whole);
   return f;
@@ -248,6 +261,8 @@ std::string KvFormat::to_string() const {
     s += fmt::format(":top={}", top);
   }
   if (evicts()) s += fmt::format(":budget={}", budget);
+  if (rank == Rank::recent) s += ":rank=recent";
+  if (close_positions) s += ":positions=close";
   return s;
 }
 

@@ -138,6 +138,7 @@ std::unique_ptr<PooledKvCache> PooledKvCache::fork() const {
     for (BlockRef b : s.blocks) pool_->retain(b);
   copy->size_ = size_;
   copy->base_ = base_;
+  copy->position_gap_ = position_gap_;
   copy->rope_ = rope_;
   copy->path_ = path_;
   copy->pass_precision_ = pass_precision_;

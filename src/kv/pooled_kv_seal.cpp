@@ -39,12 +39,22 @@ std::vector<double> PooledKvCache::block_importance() const {
   return importance;
 }
 
-// The cold blocks, most attended first.
+// What the blocks are ranked by: their attention, or nothing to compute for rank=recent.
+std::vector<double> PooledKvCache::ranking() const {
+  if (format_.rank == KvFormat::Rank::recent) return std::vector<double>(segments_[0].blocks.size(), 0.0);
+  return block_importance();
+}
+
+// The cold blocks, most attended (or, for rank=recent, newest) first.
 std::vector<int> PooledKvCache::cold_by_importance(const std::vector<double>& importance) const {
   const int T = pool_->block_tokens();
   std::vector<int> cold;
   for (int b = 0; b < static_cast<int>(importance.size()); ++b)
     if (!format_.block_is_hot(b, size_, T)) cold.push_back(b);
+  if (format_.rank == KvFormat::Rank::recent) {
+    std::reverse(cold.begin(), cold.end());
+    return cold;
+  }
   std::stable_sort(cold.begin(), cold.end(), [&](int a, int b) {
     return importance[static_cast<std::size_t>(a)] > importance[static_cast<std::size_t>(b)];
   });
@@ -57,7 +67,7 @@ int PooledKvCache::demote() {
   const KvShape& s = shape();
   const int T = pool_->block_tokens(), D = s.head_dim, L = s.n_layers;
   std::vector<BlockRef>& blocks = segments_[0].blocks;
-  const std::vector<int> cold = cold_by_importance(block_importance());
+  const std::vector<int> cold = cold_by_importance(ranking());
   // All but the top share of the cold blocks end in the lo codecs.
   std::vector<float> rows(static_cast<std::size_t>(T) * D);
   int recoded = 0;
@@ -98,13 +108,14 @@ std::vector<std::pair<int, int>> PooledKvCache::evict() {
   for (int b = 0; b < nb; ++b)
     if (!keep[static_cast<std::size_t>(b)] && format_.block_is_hot(b, size_, T)) keep[static_cast<std::size_t>(b)] = 1, ++kept;
   const int target = static_cast<int>(std::ceil(format_.budget * nb - 1e-9));
-  for (const int b : cold_by_importance(block_importance())) {
+  for (const int b : cold_by_importance(ranking())) {
     if (kept >= target) break;
     if (!keep[static_cast<std::size_t>(b)]) keep[static_cast<std::size_t>(b)] = 1, ++kept;
   }
   if (kept == nb) return {};
-  // Each run of kept blocks becomes a segment, moved back over the gaps
-  // before it (offset = its new position - the position it was computed at).
+  // Each run of kept blocks becomes a segment: where it was computed
+  // (offset 0), or moved back over the gaps before it (offset = its new
+  // position - the position it was computed at).
   std::vector<KvSegment> segs;
   std::vector<std::pair<int, int>> ranges;
   int placed = 0;
@@ -117,13 +128,16 @@ std::vector<std::pair<int, int>> PooledKvCache::evict() {
     int e = b;
     while (e < nb && keep[static_cast<std::size_t>(e)]) ++e;
     const int begin = b * T, end = std::min(size_, e * T);
-    segs.push_back(KvSegment{placed - begin, std::vector<BlockRef>(blocks.begin() + b, blocks.begin() + e), 0, end - begin});
+    const int offset = format_.close_positions ? placed - begin : 0;
+    segs.push_back(KvSegment{offset, std::vector<BlockRef>(blocks.begin() + b, blocks.begin() + e), 0, end - begin});
     ranges.emplace_back(begin, end);
     placed += end - begin;
     b = e;
   }
-  // As adopt() leaves a context whose last segment was moved: new tokens go to a fresh tail.
+  // As adopt() leaves a context whose last segment was moved: new tokens go
+  // to a fresh tail; a last run left in place stays the writable tail.
   if (segs.back().position_offset != 0) segs.push_back(KvSegment{0, {}, 0, 0});
+  if (!format_.close_positions) position_gap_ += size_ - placed;
   segments_ = std::move(segs);
   size_ = placed;
   base_ = size_ - segments_.back().tokens;

@@ -16,7 +16,8 @@ std::unique_ptr<PooledKvCache> PooledKvCache::tail_context() const {
   const KvSegment& tail = segments_.back();
   for (BlockRef b : tail.blocks) pool_->retain(b);
   // Frozen at the offset that names where its keys were rotated: [base_, size_).
-  copy->segments_.assign({KvSegment{-base_, tail.blocks, 0, size_ - base_}, KvSegment{0, {}, 0, 0}});
+  copy->segments_.assign(
+      {KvSegment{-(base_ + position_gap_), tail.blocks, 0, size_ - base_}, KvSegment{0, {}, 0, 0}});
   copy->size_ = copy->base_ = size_ - base_;
   copy->rope_ = rope_;
   copy->path_ = path_;
@@ -29,6 +30,9 @@ void PooledKvCache::splice(const PooledKvCache& src, int begin, int end, const K
   if (src.block_flags() != block_flags())
     fail(ErrorCode::invalid_argument, "splice: the source context's format {} rotates K/V differently from {}",
          src.format_.to_string(), format_.to_string());
+  if (src.position_gap_ != 0)
+    fail(ErrorCode::unsupported, "splice: the source context dropped tokens and kept their neighbours' positions; "
+                                 "splice its text instead");
   if (begin < 0 || end > src.size_ || begin >= end)
     fail(ErrorCode::invalid_argument, "splice: token range [{}, {}) is not inside the source's {} tokens", begin, end,
          src.size_);
@@ -47,7 +51,7 @@ void PooledKvCache::splice(const PooledKvCache& src, int begin, int end, const K
     if (lo < hi) {
       const int row = s.first_row + (lo - sb), first_block = row / T, last_block = (row + (hi - lo) - 1) / T;
       KvSegment seg;
-      seg.position_offset = s.position_offset + size_ - begin;  // logical minus computed position, as in src
+      seg.position_offset = s.position_offset + next_position() - begin;  // new minus computed position, as in src
       seg.first_row = row % T;
       seg.tokens = hi - lo;
       seg.blocks.assign(s.blocks.begin() + first_block, s.blocks.begin() + last_block + 1);

@@ -212,8 +212,10 @@ Descriptor Descriptor::decode(std::span<const std::uint8_t> b, std::string_view 
 
   if (d.token_count == 0 || d.token_count > kMaxTokens)
     fail(ErrorCode::bad_descriptor, "{}: token count {} is outside [1, {}]", source, d.token_count, kMaxTokens);
-  if (d.position_end < d.position_begin || d.position_end - d.position_begin != d.token_count)
-    fail(ErrorCode::bad_descriptor, "{}: position range [{}, {}) does not hold {} tokens", source, d.position_begin,
+  // More positions than tokens when tokens were dropped with their neighbours' positions kept.
+  if (d.position_end < d.position_begin || d.position_end - d.position_begin < d.token_count ||
+      d.position_end - d.position_begin > kMaxTokens)
+    fail(ErrorCode::bad_descriptor, "{}: position range [{}, {}) cannot hold {} tokens", source, d.position_begin,
          d.position_end, d.token_count);
   if (d.block_tokens == 0 || d.block_tokens > 4096 || (d.block_tokens & (d.block_tokens - 1)) != 0)
     fail(ErrorCode::bad_descriptor, "{}: block size {} is not a power of two in [1, 4096]", source, d.block_tokens);

@@ -39,7 +39,7 @@ Descriptor descriptor_of(const ShareHeader& h, const ContextRecord& rec, std::ui
   d.grant_generation = g.generation;
   d.token_count = rec.token_count;
   d.position_begin = rec.position_begin;
-  d.position_end = rec.position_begin + rec.token_count;
+  d.position_end = rec.position_begin + rec.token_count + rec.position_gap;
   d.block_tokens = rec.block_tokens;
   d.block_count = rec.block_count;
   d.k_codec = rec.k_codec;
@@ -111,6 +111,7 @@ void SharePool::Impl::validate_locked(const Descriptor& d, std::string_view agen
                        g.record_generation != d.record_generation))
     fail(ErrorCode::bad_descriptor, "descriptor is stale: this grant of context {} was released", d.context_id);
   if (rec.token_count != d.token_count || rec.block_count != d.block_count || rec.block_tokens != d.block_tokens ||
+      rec.position_begin != d.position_begin || rec.position_begin + rec.token_count + rec.position_gap != d.position_end ||
       rec.k_codec != d.k_codec || rec.v_codec != d.v_codec || rec.window != d.window || rec.sink != d.sink ||
       rec.format_flags != d.format_flags || rec.lo_k_codec != d.lo_k_codec || rec.lo_v_codec != d.lo_v_codec ||
       rec.top_millionths != d.top_millionths || std::memcmp(rec.model_fp, d.fingerprint.model.data(), 16) != 0 ||
@@ -247,6 +248,7 @@ SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<con
   std::memcpy(rec.producer, producer.data(), producer.size());
   rec.position_begin = static_cast<std::uint32_t>(-segs.front().position_offset);
   rec.segment_count = static_cast<std::uint32_t>(segs.size());
+  rec.position_gap = static_cast<std::uint32_t>(cache.position_gap());
   std::memcpy(reg.segments(r), segs.data(), segs.size() * sizeof(SegmentEntry));
   {
     // The record's own references: not this process's, so they survive it.
@@ -399,6 +401,7 @@ OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool 
       for (std::uint32_t b = 0; b < rec.block_count; ++b) table_blocks.push_back(BlockRef{t[b].index, t[b].generation});
       if (out.refused == FallbackReason::none) try {
           out.cache = PooledKvCache::adopt(pool, *format, capacity, std::move(segments), static_cast<int>(rec.token_count));
+          out.cache->set_position_gap(static_cast<int>(rec.position_gap));
         } catch (const Error& e) {
           if (e.code() != ErrorCode::invalid_argument) throw;
           refuse(FallbackReason::format, e.what());

@@ -86,7 +86,8 @@ struct ContextRecord {
   std::uint32_t position_begin;  // where the first token's key was rotated (a spliced context's tail)
   std::uint32_t lo_k_codec, lo_v_codec, top_millionths;  // mixed precision (Descriptor's fields); 0 otherwise
   std::uint32_t segment_count;  // entries of the record's segment table
-  std::uint8_t pad[12];
+  std::uint32_t position_gap;   // positions dropped with their neighbours' kept (PooledKvCache::position_gap)
+  std::uint8_t pad[8];
 };
 static_assert(sizeof(ContextRecord) == 192);
 

@@ -46,6 +46,9 @@ ContextMeta context_meta(const PooledKvCache& cache, std::span<const TokenId> to
   m.format = cache.format();
   m.tokens.assign(tokens.begin(), tokens.end());
   m.text = std::string(text);
+  if (cache.position_gap() != 0)
+    fail(ErrorCode::unsupported, "export: the context dropped tokens and kept their neighbours' positions; the file "
+                                 "format has no field for that yet");
   const int T = m.block_tokens;
   for (const KvSegment& s : cache.segments()) {
     if (s.blocks.empty()) continue;

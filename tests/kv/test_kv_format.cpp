@@ -31,7 +31,8 @@ TEST(KvFormat, ToStringRoundTrips) {
                            "int8:kaxis=token", "int4:kaxis=token:kgroup=32", "int2:window=128:sink=32",
                            "int4:vgroup=64", "int3:rot=kv", "k4v2:window=32:rot=v", "int8:lo=int2:top=0.2",
                            "k8v4:window=64:sink=32:lo=k4v2:top=0.35", "f16:budget=0.5",
-                           "int8:window=128:sink=32:lo=int2:top=0.2:budget=0.6"}) {
+                           "int8:window=128:sink=32:lo=int2:top=0.2:budget=0.6", "f16:budget=0.5:rank=recent",
+                           "int4:budget=0.25:positions=close"}) {
     const KvFormat f = KvFormat::parse(text);
     EXPECT_EQ(f.to_string(), text);
     EXPECT_EQ(KvFormat::parse(f.to_string()), f) << text;
@@ -70,6 +71,10 @@ TEST(KvFormat, BadTextNamesThePart) {
   EXPECT_NE(message("int8:budget=1").find("budget must be a share"), std::string::npos);
   EXPECT_NE(message("int8:budget=0").find("budget must be a share"), std::string::npos);
   EXPECT_NE(message("int8:budget=half").find("budget must be a share"), std::string::npos);
+  EXPECT_NE(message("int8:rank=recent").find("rank applies to"), std::string::npos);
+  EXPECT_NE(message("int8:positions=close").find("positions applies to"), std::string::npos);
+  EXPECT_NE(message("int8:budget=0.5:positions=shift").find("positions must be keep or close"), std::string::npos);
+  EXPECT_NE(message("int8:budget=0.5:rank=oldest").find("rank must be attention or recent"), std::string::npos);
 }
 
 // Mixed precision: `mixed:hi=` names the same format; its bytes lie between

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "kv_test_util.hpp"
+#include "qkvshare/core/error.hpp"
 #include "qkvshare/core/thread_pool.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
@@ -42,11 +43,13 @@ testing::Pass attended_pass(const KvShape& s, int n, int T, int hot_a, int hot_b
   return pass;
 }
 
+// positions=close: the kept runs move back over the gaps.
 TEST(PooledKvSeal, EvictKeepsSinksWindowAndTheMostAttendedBlocks) {
   ThreadPool threads(2);
   const KvShape s{2, 6, 3, 16};
   const int T = 8, n = 80;  // 10 full blocks: sink 0, window 9, 8 cold; a budget of 4 blocks
-  for (const char* text : {"int8:sink=8:window=8:budget=0.4", "f16:budget=0.4", "int4:lo=int2:top=0.5:budget=0.4"}) {
+  for (const char* text : {"int8:sink=8:window=8:budget=0.4:positions=close", "f16:budget=0.4:positions=close",
+                           "int4:lo=int2:top=0.5:budget=0.4:positions=close"}) {
     SCOPED_TRACE(text);
     const KvFormat f = KvFormat::parse(text);
     auto pool = KvPool::create(PoolConfig{s, T, KvPool::arena_bytes_for(s, T, f, 128, 6)});
@@ -76,6 +79,8 @@ TEST(PooledKvSeal, EvictKeepsSinksWindowAndTheMostAttendedBlocks) {
         EXPECT_EQ(cache.segments()[i].tokens, i < 4 ? 8 : 0) << i;
       }
       EXPECT_EQ(cache.evict(), (std::vector<std::pair<int, int>>{}));  // several segments: evicted already
+      EXPECT_EQ(cache.position_gap(), 0);
+      EXPECT_EQ(cache.next_position(), 32);
       // The same runs spliced into an empty context read alike, bit for bit.
       const KvRope rope = test_rope(s.head_dim);
       PooledKvCache spliced(pool, f, 128);
@@ -91,6 +96,82 @@ TEST(PooledKvSeal, EvictKeepsSinksWindowAndTheMostAttendedBlocks) {
     }
     EXPECT_EQ(pool->counters().blocks_used, 0u);
   }
+}
+
+// positions=keep (the default, as H2O and SnapKV): the kept runs stay where
+// they were computed, the next token comes at the original length, and
+// attention reads exactly the kept rows.
+TEST(PooledKvSeal, EvictKeepsPositionsByDefault) {
+  ThreadPool threads(2);
+  const KvShape s{2, 6, 3, 16};
+  const int T = 8, n = 80;
+  for (const char* text : {"int8:sink=8:window=8:budget=0.4", "f16:budget=0.4", "int4:budget=0.4"}) {
+    SCOPED_TRACE(text);
+    const KvFormat f = KvFormat::parse(text);
+    auto pool = KvPool::create(PoolConfig{s, T, KvPool::arena_bytes_for(s, T, f, 128, 6)});
+    const auto pass = attended_pass(s, n, T, 3, 6, 31);
+    {
+      PooledKvCache cache(pool, f, 128);
+      run_pass(cache, pass, n, threads);
+      const auto kept = cache.evict();
+      const std::vector<std::pair<int, int>> want{{0, 8}, {24, 32}, {48, 56}, {72, 80}};
+      ASSERT_EQ(kept, want);
+      EXPECT_EQ(cache.size(), 32);
+      EXPECT_EQ(cache.position_gap(), 48);
+      EXPECT_EQ(cache.next_position(), 80);
+      ASSERT_EQ(cache.segments().size(), 4u);  // the last run stays the writable tail
+      for (const KvSegment& seg : cache.segments()) EXPECT_EQ(seg.position_offset, 0);
+      // The reference: a context of the kept rows alone (same blocks, same codes).
+      testing::Pass rows;
+      for (int l = 0; l < s.n_layers; ++l) {
+        std::vector<float> k, v, q;
+        for (const auto& [b, e] : want) {
+          const auto* pk = &pass.k[static_cast<std::size_t>(l)][static_cast<std::size_t>(b) * s.kv_dim()];
+          const auto* pv = &pass.v[static_cast<std::size_t>(l)][static_cast<std::size_t>(b) * s.kv_dim()];
+          const auto* pq = &pass.q[static_cast<std::size_t>(l)][static_cast<std::size_t>(b) * s.q_dim()];
+          k.insert(k.end(), pk, pk + static_cast<std::ptrdiff_t>(e - b) * s.kv_dim());
+          v.insert(v.end(), pv, pv + static_cast<std::ptrdiff_t>(e - b) * s.kv_dim());
+          q.insert(q.end(), pq, pq + static_cast<std::ptrdiff_t>(e - b) * s.q_dim());
+        }
+        rows.k.push_back(std::move(k));
+        rows.v.push_back(std::move(v));
+        rows.q.push_back(std::move(q));
+      }
+      PooledKvCache ref(pool, f, 128);
+      run_pass(ref, rows, 32, threads);
+      const auto next = random_pass(s, 5, 32);
+      const auto got = run_pass(cache, next, 5, threads), exp = run_pass(ref, next, 5, threads);
+      ASSERT_EQ(got.size(), exp.size());
+      for (std::size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], exp[i], 2e-5f) << i;
+      EXPECT_EQ(cache.next_position(), 85);
+      // Forks and tail contexts carry the gap; a splice from the context is refused.
+      EXPECT_EQ(cache.fork()->next_position(), 85);
+      PooledKvCache other(pool, f, 128);
+      EXPECT_THROW(other.splice(cache, 0, 8, test_rope(s.head_dim)), Error);
+    }
+    EXPECT_EQ(pool->counters().blocks_used, 0u);
+  }
+}
+
+// rank=recent (StreamingLLM): the newest cold blocks stay, whatever the queries attend to.
+TEST(PooledKvSeal, RecentRankingKeepsTheNewestBlocks) {
+  ThreadPool threads(2);
+  const KvShape s{2, 6, 3, 16};
+  const int T = 8, n = 80;
+  const KvFormat f = KvFormat::parse("int8:sink=8:window=8:budget=0.4:rank=recent");
+  auto pool = KvPool::create(PoolConfig{s, T, KvPool::arena_bytes_for(s, T, f, 128, 2)});
+  {
+    PooledKvCache cache(pool, f, 128);
+    run_pass(cache, attended_pass(s, n, T, 3, 6, 31), n, threads);  // blocks 3 and 6 attended: ignored
+    EXPECT_EQ(cache.evict(), (std::vector<std::pair<int, int>>{{0, 8}, {56, 80}}));
+    const KvFormat m = KvFormat::parse("int8:lo=int2:top=0.25:rank=recent");
+    PooledKvCache mixed(pool, m, 128);
+    run_pass(mixed, attended_pass(s, n, T, 3, 6, 31), n, threads);
+    EXPECT_EQ(mixed.demote(), 7);  // 10 cold blocks: the newest 3 keep int8
+    for (int b = 0; b < 10; ++b)
+      EXPECT_EQ(pool->info(mixed.segments()[0].blocks[static_cast<std::size_t>(b)]).k, b >= 7 ? m.k : m.lo_k) << b;
+  }
+  EXPECT_EQ(pool->counters().blocks_used, 0u);
 }
 
 TEST(PooledKvSeal, EvictDoesNothingWithoutABudgetOrQueries) {

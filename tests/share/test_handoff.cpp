@@ -136,6 +136,9 @@ TEST_F(Handoff, ABudgetShipsTheKeptBlocksAsSegments) {
   ASSERT_TRUE(r.kv);
   EXPECT_EQ(r.session->tokens(), kept_ids);
   const auto& opened = dynamic_cast<const PooledKvCache&>(r.session->cache());
+  // The kept blocks sit where they were computed: the next token comes at position 300.
+  EXPECT_EQ(d.position_end - d.position_begin, 300u);
+  EXPECT_EQ(opened.next_position(), 300);
   ASSERT_EQ(opened.segments().size(), local->segments().size());
   for (std::size_t i = 0; i < opened.segments().size(); ++i) {
     EXPECT_EQ(opened.segments()[i].position_offset, local->segments()[i].position_offset) << i;

@@ -52,6 +52,9 @@ class KvCache {
   virtual int size() const noexcept = 0;
   // Most tokens this cache can hold.
   virtual int capacity() const noexcept = 0;
+  // The position (RoPE) of the next token: size(), unless tokens were
+  // dropped from the context with their positions kept (PooledKvCache::evict).
+  virtual int next_position() const noexcept { return size(); }
 
   // Stores keys and values of `n` new tokens for one layer, at token indices
   // [size(), size() + n). k and v are [n][kv_dim], keys already rotated.

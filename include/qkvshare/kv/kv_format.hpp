@@ -96,6 +96,15 @@ struct KvFormat {
   // window, tail; at least the first and the last block) and the most
   // attended of the rest. budget == 1: nothing is dropped.
   double budget = 1.0;
+  // How demote() and evict() rank the cold blocks: by the attention the last
+  // queries give them, or by recency alone (StreamingLLM's policy: the
+  // newest blocks first; the baseline that shows what attention adds).
+  enum class Rank : std::uint8_t { attention = 0, recent = 1 };
+  Rank rank = Rank::attention;
+  // Where the blocks that evict() keeps sit: at the positions they were
+  // computed at, the next token after the dropped ones' too (as H2O and
+  // SnapKV keep them), or moved back over the gaps (StreamingLLM's cache).
+  bool close_positions = false;
 
   bool operator==(const KvFormat&) const = default;
   bool mixed() const noexcept { return top < 1.0; }
@@ -112,7 +121,8 @@ struct KvFormat {
   // options window=N, sink=N (tokens), kaxis=channel|token, kgroup=N,
   // vgroup=N, rot=none|k|v|kv, and lo=NAME:top=F (mixed precision: NAME an
   // integer name as above, 0 < F < 1; vgroup applies to both precisions),
-  // budget=F (token dropping, 0 < F < 1).
+  // budget=F (token dropping, 0 < F < 1), rank=attention|recent (how both
+  // choose their blocks), positions=keep|close (where kept blocks sit).
   // `mixed:hi=NAME:lo=NAME:top=F` is the same with the high precision named.
   // Throws Error(invalid_argument) naming the part.
   static KvFormat parse(std::string_view text);

@@ -79,6 +79,12 @@ class PooledKvCache final : public KvCache {
   const KvShape& shape() const noexcept override { return pool_->shape(); }
   int size() const noexcept override { return size_; }
   int capacity() const noexcept override { return capacity_; }
+  int next_position() const noexcept override { return size_ + position_gap_; }
+  // Positions dropped before the context's end with their neighbours' positions
+  // kept (evict(), positions=keep): next_position() - size(). A handed-off
+  // context's consumer sets it from the descriptor (SharePool::open).
+  int position_gap() const noexcept { return position_gap_; }
+  void set_position_gap(int gap) noexcept { position_gap_ = gap; }
   void write(int layer, int n, const float* k, const float* v) override;
   AttendWork& plan_attend(int layer, int n, const float* q, float* out) override;
   void commit(int n) override;
@@ -134,9 +140,11 @@ class PooledKvCache final : public KvCache {
   // blocks (ranked as demote() ranks them) until about `budget` of the
   // blocks are left, always keeping the hot ones (sinks, window, tail) and
   // the first and the last block (StreamingLLM's sinks and recent window).
-  // The kept runs of blocks become segments moved back over the gaps (the
-  // positions of the context close up, as StreamingLLM's cache does), so
-  // nothing is copied or requantized, and new tokens go to a fresh tail.
+  // The kept runs of blocks become segments of the context at the positions
+  // they were computed at (the next token's position after the dropped ones'
+  // too: position_gap()), or, with positions=close, moved back over the gaps
+  // (StreamingLLM's cache; new tokens then go to a fresh tail). Nothing is
+  // copied or requantized.
   // Returns the kept token ranges [begin, end) in the old positions (what a
   // caller keeps of its token ids); empty when nothing was dropped (the same
   // cases as demote(), and a budget that keeps every block).
@@ -162,6 +170,7 @@ class PooledKvCache final : public KvCache {
   std::uint32_t block_flags() const noexcept;
   // demote() and evict(): the observed attention per block of the only segment, and its cold blocks ranked by it.
   std::vector<double> block_importance() const;
+  std::vector<double> ranking() const;
   std::vector<int> cold_by_importance(const std::vector<double>& importance) const;
 
   std::shared_ptr<KvPool> pool_;
@@ -170,6 +179,7 @@ class PooledKvCache final : public KvCache {
   int size_ = 0;
   std::vector<KvSegment> segments_;
   int base_ = 0;  // tokens before the last (writable) segment
+  int position_gap_ = 0;
   KvRope rope_;
   std::unique_ptr<Step> step_;
   AttendPath path_ = AttendPath::automatic;
