@@ -121,6 +121,16 @@ def test_curl_stream_and_error_shape(server):
     assert "not valid JSON" in json.loads(body)["error"]["message"]
 
 
+def researcher_then_writer(c, task, max_tokens):
+    """A researcher's reply, and a writer's conversation (its own system prompt) that quotes it."""
+    research = c.chat.completions.create(
+        model="stories260K", max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "system", "content": "You are a researcher."}, {"role": "user", "content": task}])
+    notes = research.choices[0].message.content
+    return research, [{"role": "system", "content": "You are a writer."},
+                      {"role": "user", "content": "Notes: " + notes + "\nNow write the story."}]
+
+
 def test_splice_reuses_another_agents_reply_under_its_own_prompt(make_server):
     """A writer with its own system prompt quotes the researcher's reply: mode
     splice reuses the reply's KV where it sits in the writer's prompt (moved,
@@ -128,14 +138,8 @@ def test_splice_reuses_another_agents_reply_under_its_own_prompt(make_server):
     handoff and answers exactly as a request that reuses nothing."""
     s = make_server("--kv", "f32")
     c = client(s)
-    research = c.chat.completions.create(
-        model="stories260K", max_tokens=60, temperature=0,
-        messages=[{"role": "system", "content": "You are a researcher."},
-                  {"role": "user", "content": "Tell me about a dog in a park."}])
-    notes = research.choices[0].message.content
+    research, writer = researcher_then_writer(c, "Tell me about a dog in a park.", 60)
     handle = research.model_extra["qkvshare"]["context"]["handle"]
-    writer = [{"role": "system", "content": "You are a writer."},
-              {"role": "user", "content": "Notes: " + notes + "\nNow write the story."}]
     spliced = c.chat.completions.create(model="stories260K", messages=writer, max_tokens=20, temperature=0,
                                         extra_body={"qkvshare": {"context": handle, "mode": "splice"}})
     ext = spliced.model_extra["qkvshare"]
@@ -172,13 +176,7 @@ def test_automatic_reuse_splices_replies_quoted_in_a_prompt(make_server):
     prompt (its own system prompt first) and splices it; the usage counts it."""
     s = make_server("--kv", "f32")
     c = client(s)
-    research = c.chat.completions.create(
-        model="stories260K", max_tokens=80, temperature=0,
-        messages=[{"role": "system", "content": "You are a researcher."},
-                  {"role": "user", "content": "Tell me about a cat and a ball."}])
-    notes = research.choices[0].message.content
-    writer = [{"role": "system", "content": "You are a writer."},
-              {"role": "user", "content": "Notes: " + notes + "\nNow write the story."}]
+    research, writer = researcher_then_writer(c, "Tell me about a cat and a ball.", 80)
     r = c.chat.completions.create(model="stories260K", messages=writer, max_tokens=10, temperature=0)
     ext = r.model_extra["qkvshare"]
     assert ext["splices"], ext
