@@ -104,13 +104,17 @@ class Model:
 class Engine:
     """Runs the model's forward pass for any number of sessions."""
 
-    def __init__(self, model: Model, threads: int = 0, max_batch: int = 256, exact_matmul: bool = False, token_budget: int | None = None, max_sessions: int = 0) -> None:
+    def __init__(self, model: Model, threads: int = 0, max_batch: int = 256, exact_matmul: bool = False, token_budget: int | None = None, max_sessions: int = 0, float_activations: bool = False) -> None:
         """
-        threads=0: all hardware threads. exact_matmul: float activations (slow; for reference checks). The step API's scheduler: token_budget, tokens per forward pass (default max_batch; a long prompt is chunked so decoding sessions keep their pace); max_sessions, requests per pass (0: no limit). Under either limit, requests with a higher `priority` run first.
+        threads=0: all hardware threads. exact_matmul: float activations (slow; for reference checks). float_activations: the SIMD kernels with float activations (weights dequantized to f32 once, 4 bytes per weight: float_copy_bytes). The step API's scheduler: token_budget, tokens per forward pass (default max_batch; a long prompt is chunked so decoding sessions keep their pace); max_sessions, requests per pass (0: no limit). Under either limit, requests with a higher `priority` run first.
         """
 
     @property
     def model(self) -> Model: ...
+
+    @property
+    def float_copy_bytes(self) -> int:
+        """Bytes of the f32 weight copies float_activations made (0 otherwise)."""
 
     @property
     def threads(self) -> int: ...
@@ -508,7 +512,7 @@ class Workflow:
     @property
     def agents(self) -> list[str]: ...
 
-    def run(self, model: Model | str, mode: str = 'qkvshare', kv: str = 'int8', threads: int = 0, context: int = 4096, max_tokens_cap: int = 0, exact_matmul: bool = False) -> RunReport:
+    def run(self, model: Model | str, mode: str = 'qkvshare', kv: str = 'int8', threads: int = 0, context: int = 4096, max_tokens_cap: int = 0, exact_matmul: bool = False, float_activations: bool = False) -> RunReport:
         """
         Runs the DAG (mode: qkvshare, shared-text or independent). The run loads the model file itself (independent mode needs one private copy per agent), so a Model argument only names the file.
         """

@@ -84,7 +84,7 @@ void bind_agents(nb::module_& m) {
       .def(
           "run",
           [](const Workflow& w, nb::handle model, const std::string& mode, const std::string& kv, int threads,
-             int context, int max_tokens_cap, bool exact_matmul) {
+             int context, int max_tokens_cap, bool exact_matmul, bool float_activations) {
             std::string path, tokenizer;
             if (nb::isinstance<ModelBox>(model)) {
               const ModelBox& b = nb::cast<const ModelBox&>(model);
@@ -107,11 +107,15 @@ void bind_agents(nb::module_& m) {
             o.context = context;
             o.max_tokens_cap = max_tokens_cap;
             o.exact_matmul = exact_matmul;
+            o.float_activations = float_activations;
+            if (exact_matmul && float_activations)
+              fail(ErrorCode::invalid_argument, "run: exact_matmul and float_activations: choose one");
             nb::gil_scoped_release release;
             return agents::run_workflow(w, path, tokenizer, o);
           },
           nb::arg("model"), nb::arg("mode") = "qkvshare", nb::arg("kv") = "int8", nb::arg("threads") = 0,
           nb::arg("context") = 4096, nb::arg("max_tokens_cap") = 0, nb::arg("exact_matmul") = false,
+          nb::arg("float_activations") = false,
           "Runs the DAG (mode: qkvshare, shared-text or independent). The run loads the model file itself "
           "(independent mode needs one private copy per agent), so a Model argument only names the file.");
 }

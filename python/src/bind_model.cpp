@@ -108,7 +108,7 @@ void bind_model(nb::module_& m) {
 
   nb::class_<EngineBox>(m, "Engine", "Runs the model's forward pass for any number of sessions.")
       .def(nb::new_([](std::shared_ptr<ModelBox> model, int threads, int max_batch, bool exact_matmul,
-                       std::optional<int> token_budget, int max_sessions) {
+                       std::optional<int> token_budget, int max_sessions, bool float_activations) {
              if (!model) fail(ErrorCode::invalid_argument, "Engine: model is None");
              if (threads < 0) fail(ErrorCode::invalid_argument, "Engine: threads must be >= 0, got {}", threads);
              if (max_batch < 1) fail(ErrorCode::invalid_argument, "Engine: max_batch must be >= 1, got {}", max_batch);
@@ -117,12 +117,15 @@ void bind_model(nb::module_& m) {
                     *token_budget);
              if (max_sessions < 0)
                fail(ErrorCode::invalid_argument, "Engine: max_sessions must be >= 0, got {}", max_sessions);
+             if (exact_matmul && float_activations)
+               fail(ErrorCode::invalid_argument, "Engine: exact_matmul and float_activations: choose one");
              auto box = std::make_shared<EngineBox>();
              box->model = std::move(model);
              EngineOptions o;
              o.n_threads = threads;
              o.max_batch = max_batch;
              o.exact_matmul = exact_matmul;
+             o.float_activations = float_activations;
              nb::gil_scoped_release release;
              box->engine = std::make_unique<Engine>(*box->model->model, o);
              SchedulerOptions so;
@@ -132,12 +135,16 @@ void bind_model(nb::module_& m) {
              return box;
            }),
            nb::arg("model"), nb::arg("threads") = 0, nb::arg("max_batch") = 256, nb::arg("exact_matmul") = false,
-           nb::arg("token_budget") = nb::none(), nb::arg("max_sessions") = 0,
+           nb::arg("token_budget") = nb::none(), nb::arg("max_sessions") = 0, nb::arg("float_activations") = false,
            "threads=0: all hardware threads. exact_matmul: float activations (slow; for reference checks). "
+           "float_activations: the SIMD kernels with float activations (weights dequantized to f32 once, 4 bytes "
+           "per weight: float_copy_bytes). "
            "The step API's scheduler: token_budget, tokens per forward pass (default max_batch; a long prompt "
            "is chunked so decoding sessions keep their pace); max_sessions, requests per pass (0: no limit). "
            "Under either limit, requests with a higher `priority` run first.")
       .def_prop_ro("model", [](const EngineBox& e) { return e.model; })
+      .def_prop_ro("float_copy_bytes", [](const EngineBox& e) { return e.engine->float_copy_bytes(); },
+                   "Bytes of the f32 weight copies float_activations made (0 otherwise).")
       .def_prop_ro("threads", [](EngineBox& e) { return e.engine->pool().size(); });
 }
 

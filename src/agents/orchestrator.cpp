@@ -108,13 +108,14 @@ class Run {
       for (const auto& s : wf.steps) {
         if (runtimes_.count(s.agent)) continue;
         runtimes_[s.agent] = load(model_path, tok_path, MappedFile::Mode::private_copy, 2);
-        report_.weight_copies_bytes += runtimes_[s.agent]->model->weight_bytes();
+        report_.weight_copies_bytes +=
+            runtimes_[s.agent]->model->weight_bytes() + runtimes_[s.agent]->engine->float_copy_bytes();
       }
     } else {
       // Text handoffs in one engine: a private pool with room for every step's context at once (concurrent steps).
       shared_ = load(model_path, tok_path, MappedFile::Mode::shared,
                      opts.mode == RunMode::shared_text ? static_cast<int>(wf.steps.size()) + 1 : 0);
-      report_.weight_copies_bytes = shared_->model->weight_bytes();
+      report_.weight_copies_bytes = shared_->model->weight_bytes() + shared_->engine->float_copy_bytes();
       if (opts.mode == RunMode::qkvshare) {
         fingerprint_ = model_fingerprint(*shared_->model);
         ShareConfig config;
@@ -235,6 +236,7 @@ class Run {
     EngineOptions eo;
     eo.n_threads = opts_.threads;
     eo.exact_matmul = opts_.exact_matmul;
+    eo.float_activations = opts_.float_activations;
     r->engine = std::make_unique<Engine>(*r->model, eo);
     if (private_contexts > 0) {
       PoolConfig pc;

@@ -29,8 +29,9 @@ RunReport run_solo(const Workflow& wf, const std::string& model_path, const std:
   EngineOptions eo;
   eo.n_threads = opts.threads;
   eo.exact_matmul = opts.exact_matmul;
+  eo.float_activations = opts.float_activations;
   Engine engine(*model, eo);
-  report.weight_copies_bytes = model->weight_bytes();
+  report.weight_copies_bytes = model->weight_bytes() + engine.float_copy_bytes();
   // Everything in one context: room for every step's share of it.
   const int capacity = std::min(model->config().context_length,
                                 opts.context * std::max<int>(2, static_cast<int>(wf.steps.size())));

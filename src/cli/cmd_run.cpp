@@ -72,6 +72,9 @@ void execute(const Workflow& wf, const RunArgs& a) {
   opts.kv = a.kv;
   opts.threads = a.model.threads;
   opts.exact_matmul = a.model.exact_matmul;
+  opts.float_activations = a.model.float_activations;
+  if (opts.exact_matmul && opts.float_activations)
+    fail(ErrorCode::invalid_argument, "--exact-matmul and --float-activations: choose one");
   opts.context = a.ctx;
   opts.max_tokens_cap = a.max_tokens;
   opts.splice.threshold = a.guard_threshold;
@@ -116,6 +119,9 @@ void add_common(CLI::App& cmd, RunArgs& a) {
   cmd.add_option("--threads", a.model.threads, "Worker threads (0: all cores)")->check(CLI::Range(0, 1024));
   cmd.add_flag("--exact-matmul", a.model.exact_matmul,
                "Float activations in every matmul: slow; isolates the KV formats' effect on agreement");
+  cmd.add_flag("--float-activations", a.model.float_activations,
+               "The SIMD kernels with float activations (weights dequantized to f32 once, 4 bytes per weight, "
+               "counted in the report's weight bytes)");
   cmd.add_option("--mode", a.mode, "independent, shared-text or qkvshare");
   cmd.add_option("--kv", a.kv, "KV format of qkvshare mode (f32, f16, int8, int4, int3, int2, kXvY[:options])");
   cmd.add_option("--ctx", a.ctx, "Token capacity of each session")->check(CLI::Range(16, 1 << 20));

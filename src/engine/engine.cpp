@@ -52,6 +52,12 @@ KvShape Engine::kv_shape() const noexcept {
   return KvShape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim};
 }
 
+std::size_t Engine::float_copy_bytes() const noexcept {
+  std::size_t total = 0;
+  for (const auto& store : float_store_) total += store.size() * sizeof(float);
+  return total;
+}
+
 KvRope Engine::rope() const { return KvRope{inv_freq_, model_.config().rope_style}; }
 
 void Session::note_placed(std::span<const TokenId> tokens) {

@@ -9,6 +9,7 @@
 #include "qkvshare/agents/demo_workflow.hpp"
 #include "qkvshare/agents/orchestrator.hpp"
 #include "qkvshare/engine/generate.hpp"
+#include "qkvshare/model/synthetic_model.hpp"
 #include "test_paths.hpp"
 
 namespace qkvshare::agents {
@@ -92,6 +93,30 @@ TEST(Orchestrator, RefusesFormatsThatDropTokens) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("agent 'continuer'"), std::string::npos) << e.what();
   }
+}
+
+// --float-activations for workflows: every engine gets the f32 weight copies,
+// and the run reports them in its weight bytes.
+TEST(Orchestrator, FloatActivationsCountTheirWeightCopies) {
+  const std::string path = testing::temp_dir() + "/orchestrator-float-acts.gguf";
+  SyntheticOptions so;
+  so.type = GgmlType::Q4_0;
+  write_synthetic_model(find_synthetic_shape("tiny-llama"), so, path);
+  const auto model = Model::load(path);
+  EngineOptions eo;
+  eo.float_activations = true;
+  const std::size_t copies = Engine(*model, eo).float_copy_bytes();
+  ASSERT_GT(copies, 0u);
+  const Workflow wf = Workflow::parse(kChain, "chain.yaml");
+  RunOptions o = options(RunMode::qkvshare, "int8");
+  o.float_activations = true;
+  const RunReport r = run_workflow(wf, path, "", o);
+  EXPECT_EQ(r.weight_copies_bytes, model->weight_bytes() + copies);
+  EXPECT_EQ(r.pool_blocks_used_at_end, 0u);
+  o.mode = RunMode::independent;  // one engine, and one set of copies, per agent
+  EXPECT_EQ(run_workflow(wf, path, "", o).weight_copies_bytes, 2 * (model->weight_bytes() + copies));
+  o.float_activations = false;
+  EXPECT_EQ(run_workflow(wf, path, "", o).weight_copies_bytes, 2 * model->weight_bytes());
 }
 
 TEST(Orchestrator, NoContextOutlivesItsLastConsumer) {

@@ -109,6 +109,9 @@ TEST(EngineFloatActivations, MatchTheExactReferenceOnQuantizedWeights) {
       return std::vector<float>(l.begin(), l.end());
     };
     const auto ref = logits(exact), f = logits(fast), q = logits(int8);
+    // The f32 copies are what float activations cost in memory: 4 bytes per quantized weight.
+    EXPECT_GT(Engine(*model, fast).float_copy_bytes(), 3 * model->weight_bytes()) << name;
+    EXPECT_EQ(Engine(*model, int8).float_copy_bytes(), 0u) << name;
     float scale = 0, df = 0, dq = 0;
     for (std::size_t i = 0; i < ref.size(); ++i) {
       scale = std::max(scale, std::abs(ref[i]));

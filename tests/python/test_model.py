@@ -83,3 +83,21 @@ def test_engine_keeps_model_alive(stories_paths):
     s = e.session(kv="f16")
     assert s.generate("Once", max_tokens=4, temperature=0).tokens
     assert e.model.vocab_size == 512
+
+
+def test_float_activations(stories, smollm2_path):
+    """The SIMD kernels with float activations: f32 copies of the quantized weights (none for a
+    model of f32 weights), logits close to the float reference's, the flags exclusive."""
+    import numpy as np
+
+    assert q.Engine(stories, threads=1, float_activations=True).float_copy_bytes == 0
+    with pytest.raises(q.InvalidArgument, match="choose one"):
+        q.Engine(stories, exact_matmul=True, float_activations=True)
+    m = q.Model.load(str(smollm2_path))
+    fast, exact, plain = (q.Engine(m, threads=2, float_activations=True), q.Engine(m, threads=2, exact_matmul=True),
+                          q.Engine(m, threads=2))
+    assert fast.float_copy_bytes > 400_000_000 and plain.float_copy_bytes == 0  # ~135M weights x 4 bytes
+    prompt = "The quick brown fox jumps over the lazy dog."
+    lf = fast.session(kv="f32").prefill(prompt)
+    le = exact.session(kv="f32").prefill(prompt)
+    assert np.max(np.abs(lf - le)) <= 1e-3 * np.max(np.abs(le))

@@ -38,6 +38,9 @@ struct RunOptions {
   // Float activations in every matmul (EngineOptions::exact_matmul): slow; isolates what the KV
   // formats change from the 8-bit activation rounding, which amplifies any perturbation.
   bool exact_matmul = false;
+  // The SIMD kernels with float activations (EngineOptions::float_activations):
+  // weights dequantized to f32 once per engine, counted in weight_copies_bytes.
+  bool float_activations = false;
   std::string text_kv = "f16";  // KV format of shared-text mode (the comparison's reference uses f32)
   // Equal work: record each step's tokens and distributions to this file, or
   // force the tokens of such a file and score against it (compare_modes).
@@ -88,7 +91,7 @@ struct RunReport {
   double total_seconds = 0;
   double load_seconds = 0;
   std::size_t peak_kv_bytes = 0;       // KV bytes held at once, at the worst moment
-  std::size_t weight_copies_bytes = 0; // weight bytes this run holds in memory
+  std::size_t weight_copies_bytes = 0; // weight bytes this run holds in memory (f32 copies included)
   int prefill_computed = 0;
   int prefill_reused = 0;
   int contexts_alive_at_end = 0;       // sealed contexts left in the pool (0 when lifetimes are right)

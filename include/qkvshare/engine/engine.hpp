@@ -94,6 +94,8 @@ class Engine {
   explicit Engine(const Model& model, EngineOptions options = {});
 
   const Model& model() const noexcept { return model_; }
+  // Bytes of the f32 weight copies that float_activations made (0 otherwise).
+  std::size_t float_copy_bytes() const noexcept;
   const EngineOptions& options() const noexcept { return options_; }
   ThreadPool& pool() noexcept { return pool_; }
   KvShape kv_shape() const noexcept;
