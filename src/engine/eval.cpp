@@ -129,18 +129,12 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
         // the consumer holds them by reference (as adopt() does with a
         // descriptor) and writes its own tokens after them, a chunk per pass.
         auto& sealed = static_cast<PooledKvCache&>(session.cache());
-        sealed.demote();  // mixed formats: the producer's re-precision at handoff
         sealed.set_rope(engine.rope());
-        const auto kept = sealed.evict();  // formats with a budget: the producer's dropping at handoff
+        std::vector<TokenId> ids(session.tokens().begin(), session.tokens().end());
+        reduce_for_handoff(sealed, ids);  // the producer's re-precision and dropping at handoff
         a.handoff_bits_sum += stored_bits(sealed, first - 1);
         consumer = std::make_unique<Session>(sealed.fork());
-        if (kept.empty()) {
-          consumer->note_placed(session.tokens());
-        } else {
-          std::vector<TokenId> ids;
-          for (const auto& [b, e] : kept) ids.insert(ids.end(), win.begin() + b, win.begin() + e);
-          consumer->note_placed(ids);
-        }
+        consumer->note_placed(ids);
         consumer_logits.resize(static_cast<std::size_t>(rows) * vocab);
         for (int r = 0; r < rows; r += o.chunk) {
           const int n = std::min(o.chunk, rows - r);

@@ -183,33 +183,16 @@ std::unique_ptr<Session> ContextStore::open_prefix(std::uint64_t id, const std::
   const int n = static_cast<int>(e.tokens.size());
   tokens = std::min(tokens, n);
   if (tokens == n) return std::make_unique<Session>(std::move(oc.cache), std::move(oc.tokens));
-  if (oc.cache->segments().size() > 1) return cut_segments(*oc.cache, e, tokens, capacity);
-  // A prefix: the first blocks of the table, the last one cut where the
-  // prompt departs. Only a hot (row-coded) block can be cut; for a cold one
-  // fall back to the block boundary and recompute the rest.
-  const auto kv = pool_->kv_pool(engine_.kv_shape());
-  const int T = kv->block_tokens();
-  std::vector<BlockRef> all;
-  for (const KvSegment& s : oc.cache->segments()) all.insert(all.end(), s.blocks.begin(), s.blocks.end());
-  for (int attempt = 0; attempt < 2 && tokens > 0; ++attempt) {
-    const std::size_t k = static_cast<std::size_t>((tokens + T - 1) / T);
-    std::vector<KvSegment> seg(1);
-    seg[0].blocks.assign(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(k));
-    try {
-      auto cache = PooledKvCache::adopt(kv, e.format, capacity, std::move(seg), tokens);
-      return std::make_unique<Session>(std::move(cache), std::vector<TokenId>(e.tokens.begin(), e.tokens.begin() + tokens));
-    } catch (const Error& err) {
-      if (err.code() != ErrorCode::invalid_argument) throw;
-      tokens = tokens / T * T;
-    }
-  }
-  return nullptr;
+  // A prefix whose next position is not its length (tokens dropped before it, made elsewhere): recompute.
+  if (oc.cache->position_gap() != 0) return nullptr;
+  return cut_segments(*oc.cache, e, tokens, capacity);
 }
 
-// A prefix of a context of several segments: the segments before the cut
-// whole, the one across it shortened (a frozen segment reads any range of its
-// blocks). A cut that leaves the last kept segment writable inside a
-// quantized block falls back to that block's start, as for one segment.
+// A prefix of a context: the segments before the cut whole, the one across it
+// shortened (a frozen segment reads any range of its blocks). A cut that
+// leaves the last kept segment writable inside a quantized block (only
+// row-coded blocks can be cut there) falls back to that block's start, and
+// the rest is recomputed.
 std::unique_ptr<Session> ContextStore::cut_segments(const PooledKvCache& cache, const Entry& e, int tokens,
                                                     int capacity) {
   const auto kv = pool_->kv_pool(engine_.kv_shape());

@@ -139,14 +139,11 @@ SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<con
   // their precision) for as long as it runs.
   std::unique_ptr<PooledKvCache> reduced;
   std::vector<TokenId> kept_tokens;
-  if (producer_cache.format().observes()) {
-    reduced = producer_cache.fork();
-    reduced->demote();
-    for (const auto& [begin, end] : reduced->evict()) {
-      if (static_cast<std::size_t>(end) > tokens.size()) break;  // a count mismatch, reported below
-      kept_tokens.insert(kept_tokens.end(), tokens.begin() + begin, tokens.begin() + end);
-    }
-    if (!kept_tokens.empty()) tokens = kept_tokens;
+  if (producer_cache.format().observes() && static_cast<std::size_t>(producer_cache.size()) == tokens.size()) {
+    reduced = producer_cache.fork();  // (a count mismatch is reported below)
+    kept_tokens.assign(tokens.begin(), tokens.end());
+    reduce_for_handoff(*reduced, kept_tokens);
+    tokens = kept_tokens;
   }
   const PooledKvCache& cache = reduced ? *reduced : producer_cache;
   impl_->maybe_reap();

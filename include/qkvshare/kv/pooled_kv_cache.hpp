@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "qkvshare/core/error.hpp"
 #include "qkvshare/kernels/ops.hpp"
 #include "qkvshare/kv/kv_cache.hpp"
 #include "qkvshare/kv/kv_format.hpp"
@@ -193,5 +194,19 @@ class PooledKvCache final : public KvCache {
   std::unique_ptr<kv::SegmentAttend> segment_work_;  // a spliced context's plan
   std::vector<const std::byte*> attend_tiles_;
 };
+
+// What a context ships when it is handed off (SharePool::seal, eval's
+// handoff protocol): demote(), then evict(); `ids` (one per token of the
+// context, of whatever id type) keep the tokens that evict() kept.
+template <class Id>
+void reduce_for_handoff(PooledKvCache& cache, std::vector<Id>& ids) {
+  QKV_CHECK(static_cast<int>(ids.size()) == cache.size());
+  cache.demote();
+  const std::vector<std::pair<int, int>> kept = cache.evict();
+  if (kept.empty()) return;
+  std::vector<Id> out;
+  for (const auto& [begin, end] : kept) out.insert(out.end(), ids.begin() + begin, ids.begin() + end);
+  ids = std::move(out);
+}
 
 }  // namespace qkvshare
