@@ -7,6 +7,7 @@
 #include <random>
 #include <tuple>
 
+#include "common.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
@@ -36,6 +37,7 @@ nlohmann::json run_batch_bench(Engine& engine, const BatchBenchArgs& a) {
   if (a.n_gen <= 0) fail(ErrorCode::invalid_argument, "--n-gen: batched decode needs at least one token");
   std::vector<KvFormat> formats;
   for (const std::string& f : a.kv) formats.push_back(KvFormat::parse(f));  // names the bad one
+  for (const KvFormat& f : formats) check_codebook(f, engine.model());
   const int max_b = *std::max_element(a.batches.begin(), a.batches.end());
   std::vector<int> depths;
   for (int d : a.depths) {

@@ -117,6 +117,7 @@ void run_eval(const EvalArgs& a) {
   const std::vector<KvFormat> formats = parse_formats(a.kv);  // bad formats fail before the model loads
   const std::string text = read_text(a.text_path);
   auto model = load_model(a.model);
+  for (const KvFormat& f : formats) check_codebook(f, *model);
   const auto tokens = model->tokenizer().encode(text);
   std::fprintf(stderr, "%s: %zu tokens\n", a.text_path.c_str(), tokens.size());
   EngineOptions eo = engine_options(a.model);

@@ -5,8 +5,10 @@
 #include <cstdio>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_codebook.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
+#include "qkvshare/share/fingerprint.hpp"
 
 namespace qkvshare::cli {
 
@@ -89,6 +91,13 @@ std::size_t parse_bytes(const std::string& text, std::string_view flag) {
   if (ec != std::errc() || shift < 0 || p == text.data() || v == 0 || v > (std::uint64_t{1} << (50 - shift)))
     fail(ErrorCode::invalid_argument, "{}: '{}' is not a size (e.g. 268435456, 256M, 2G)", flag, text);
   return static_cast<std::size_t>(v << shift);
+}
+
+void check_codebook(const KvFormat& format, const Model& model) {
+  if (!format.uses_pq()) return;
+  if (format.book->header().model != model_fingerprint(model).model)
+    fail(ErrorCode::invalid_argument, "KV format {}: the codebook was learned on another model (fingerprints differ)",
+         format.to_string());
 }
 
 }  // namespace qkvshare::cli

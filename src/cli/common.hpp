@@ -27,6 +27,9 @@ void add_model_args(CLI::App& cmd, ModelArgs& args);
 EngineOptions engine_options(const ModelArgs& args);
 // Loads the model, reporting the load time on stderr.
 std::unique_ptr<Model> load_model(const ModelArgs& args);
+// Throws Error(invalid_argument) when a pq format's codebook was learned on
+// another model (its fingerprint) or another shape.
+void check_codebook(const KvFormat& format, const Model& model);
 // "1073741824", "512M", "2G", "64K" (powers of 1024); Error(invalid_argument) naming `flag`.
 std::size_t parse_bytes(const std::string& text, std::string_view flag);
 // "1,2,3" -> ids; throws Error(invalid_argument) naming the bad item.
@@ -41,6 +44,7 @@ void register_make_model(CLI::App&);
 void register_context(CLI::App&);  // share: cmd_context.cpp
 void register_pool(CLI::App&);     // share: cmd_pool.cpp
 void register_eval(CLI::App&);
+void register_calibrate(CLI::App&);
 void register_run(CLI::App&);
 void register_splice_eval(CLI::App&);
 void register_serve(CLI::App&);  // server: cmd_serve.cpp

@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   qkvshare::cli::register_context(app);
   qkvshare::cli::register_pool(app);
   qkvshare::cli::register_eval(app);
+  qkvshare::cli::register_calibrate(app);
   qkvshare::cli::register_run(app);
   qkvshare::cli::register_splice_eval(app);
   qkvshare::cli::register_serve(app);

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "common.hpp"
 #include "qkvshare/core/error.hpp"
 
 namespace qkvshare::cli {
@@ -31,7 +32,7 @@ ShareRun::ShareRun(const ShareArgs& a, const Model& model, Engine& engine, int c
   if (!a.publish.empty() && a.grants.empty()) fail(ErrorCode::invalid_argument, "--publish needs --grant AGENT");
   for (const std::string& g : a.grants) validate_agent_id(g, "--grant");
   const KvFormat format = KvFormat::parse(a.format);  // a bad --pool-format fails before any work
-  (void)format;
+  check_codebook(format, model);
   fingerprint_ = model_fingerprint(model);
   pool_ = SharePool::attach(a.pool);
   report_["pool"] = a.pool;

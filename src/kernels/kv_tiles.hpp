@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "qkvshare/kernels/kv_tiles.hpp"
+#include "pq_rows.hpp"
 #include "vec_math.hpp"
 
 namespace qkvshare::kernels::detail {
@@ -66,6 +67,7 @@ void tile_decode_codes(const TileCodes& t, const std::byte* tile, int n_rows, fl
 
 template <class V>
 void tile_decode(const TileCodes& t, const std::byte* tile, int n_rows, float* out) {
+  if (t.pq_sub > 0) return decode_pq_rows(t, tile, n_rows, out);  // copies of centroids: nothing to vectorize
   const std::size_t n = static_cast<std::size_t>(n_rows) * static_cast<std::size_t>(t.head_dim);
   switch (t.bits) {
     case 32: std::memcpy(out, tile, n * 4); return;

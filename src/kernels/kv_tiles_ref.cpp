@@ -10,6 +10,7 @@
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/half.hpp"
 #include "qkvshare/kernels/kv_tiles.hpp"
+#include "pq_rows.hpp"
 
 namespace qkvshare::kernels {
 
@@ -34,6 +35,10 @@ void decode_tile_ref(const TileCodes& t, const std::byte* tile, int n_rows, floa
   if (t.bits == 16) {
     const auto* h = reinterpret_cast<const std::uint16_t*>(tile);
     for (std::size_t i = 0; i < n; ++i) out[i] = fp16_to_fp32(h[i]);
+    return;
+  }
+  if (t.pq_sub > 0) {
+    decode_pq_rows(t, tile, n_rows, out);
     return;
   }
   const int bits = t.bits;

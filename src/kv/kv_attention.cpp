@@ -9,6 +9,7 @@
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kernels/isa.hpp"
+#include "qkvshare/kernels/kv_pq.hpp"
 #include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kernels/ops.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
@@ -66,6 +67,21 @@ void prefetch_tile(const std::byte* tile, std::size_t bytes) {
   for (std::size_t off = 0; off < bytes; off += 64) __builtin_prefetch(tile + off);
 }
 
+kv::CodebookSlice codebook_slice(const AttendInput& in, const KvCodec& c, int kind, int head) {
+  if (!c.pq()) return {};
+  QKV_CHECK(in.book != nullptr);
+  return {in.book->table(kind, in.layer, head), in.book->table_t(kind, in.layer, head)};
+}
+
+// The per-query tables of pq tiles (kv_pq.hpp) cost 256 products per
+// sub-space and query, and their lookups are scalar: they win over decoding
+// the tile for the few queries of decode steps, not for a prefill chunk's many
+// (measured: docs/kv-quality.md "Product quantization").
+constexpr int kPqTableQueries = 16;
+bool pq_tables_fit(const kernels::TileCodes& t, int nq) {
+  return t.pq_sub > 0 && nq <= kPqTableQueries;
+}
+
 // One job: KV head h, query tokens [t0, t1), key blocks [b0, b1).
 void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b0, int b1, bool partial,
              Partial* part_ml, float* part_o) {
@@ -75,6 +91,10 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   thread_local std::vector<float> qbuf, obuf, scores, tile, qab;
   thread_local std::vector<std::int16_t> qcodes;  // int16 or int8 per channel (kv_tiles.hpp)
+  thread_local std::vector<float> pq_lut, pq_hist;  // kv_pq.hpp: per query, made at the first pq tile
+  bool have_lut = false, have_hist = false;
+  const kernels::TileCodes* pq_v = nullptr;         // how to reduce pq_hist at the end
+  kernels::TileCodes pq_v_codes;
   qbuf.resize(static_cast<std::size_t>(nq) * D);
   obuf.assign(static_cast<std::size_t>(nq) * D, 0.0f);
   scores.resize(static_cast<std::size_t>(nq) * static_cast<std::size_t>(keys));
@@ -108,8 +128,26 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const int rows = std::min(T, total - b * T), lo = lo_of(b);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
     const TileLayout l = tile_layout(in.k_codecs[b], T, D);
-    const kernels::TileCodes kc = tile_codes(in.k_codecs[b], l);
+    const kernels::TileCodes kc = tile_codes(in.k_codecs[b], l, codebook_slice(in, in.k_codecs[b], 0, h));
     if (b + 1 < last_block) prefetch_tile(in.k_tiles[ti + s.n_kv_heads], tile_layout(in.k_codecs[b + 1], T, D).bytes);
+    if (on_codes && kc.pq_sub > 0 && pq_tables_fit(kc, nq)) {
+      // Scores from the query's table of products with the centroids.
+      const int hi = hi_of(b);
+      if (hi <= lo) continue;
+      if (!have_lut) {
+        pq_lut.resize(static_cast<std::size_t>(nq) * kernels::pq_table_floats(kc));
+        kernels::pq_lut(ops, kc, qbuf.data(), nq, scale, pq_lut.data());
+        have_lut = true;
+      }
+      float* s0 = &scores[static_cast<std::size_t>(b - b0) * T];
+      kernels::pq_scores(kc, in.k_tiles[ti], lo, hi, pq_lut.data(), nq, s0, static_cast<std::size_t>(keys));
+      for (int i = 0; i < nq; ++i) {
+        const float* si = s0 + static_cast<std::size_t>(i) * keys;
+        float& m = ml[static_cast<std::size_t>(i)].m;
+        for (int j = lo; j < lim_of(b, i); ++j) m = std::max(m, si[j]);
+      }
+      continue;
+    }
     if (on_codes && kernels::codes_keys_ok(kc)) {
       // Scores straight from the codes, for the rows any query sees.
       const int hi = hi_of(b);
@@ -150,8 +188,26 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const int rows = std::min(T, total - b * T), lo = lo_of(b);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
     const TileLayout l = tile_layout(in.v_codecs[b], T, D);
-    const kernels::TileCodes vc = tile_codes(in.v_codecs[b], l);
+    const kernels::TileCodes vc = tile_codes(in.v_codecs[b], l, codebook_slice(in, in.v_codecs[b], 1, h));
     if (b + 1 < last_block) prefetch_tile(in.v_tiles[ti + s.n_kv_heads], tile_layout(in.v_codecs[b + 1], T, D).bytes);
+    if (on_codes && vc.pq_sub > 0 && pq_tables_fit(vc, nq)) {
+      // Weights summed per centroid; multiplied with the centroids once, below.
+      const int hi = hi_of(b);
+      if (hi <= lo) continue;
+      if (!have_hist) {
+        pq_hist.assign(static_cast<std::size_t>(nq) * kernels::pq_table_floats(vc), 0.0f);
+        have_hist = true;
+        pq_v_codes = vc;
+        pq_v = &pq_v_codes;
+      }
+      float* p0 = &scores[static_cast<std::size_t>(b - b0) * T];
+      for (int i = 0; i < nq; ++i) {
+        float* pi = p0 + static_cast<std::size_t>(i) * keys;
+        for (int j = std::max(lo, lim_of(b, i)); j < hi; ++j) pi[j] = 0.0f;
+      }
+      kernels::pq_accumulate(vc, in.v_tiles[ti], lo, hi, p0, static_cast<std::size_t>(keys), nq, pq_hist.data());
+      continue;
+    }
     if (on_codes && kernels::codes_values_ok(vc)) {
       // One call for all queries; rows a query does not see weigh 0.
       const int hi = hi_of(b);
@@ -176,6 +232,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       if (lim > lo) ops.weighted_sum(o, p + lo, v + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D);
     }
   }
+  if (pq_v != nullptr) kernels::pq_reduce(ops, *pq_v, pq_hist.data(), nq, obuf.data());
   for (int i = 0; i < nq; ++i) {
     const int t = t0 + i / G, qh = h * G + i % G;
     const float* o = &obuf[static_cast<std::size_t>(i) * D];

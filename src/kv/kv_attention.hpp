@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "qkvshare/core/thread_pool.hpp"
+#include "qkvshare/kv/kv_codebook.hpp"
 #include "qkvshare/kv/kv_format.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
@@ -26,6 +27,9 @@ struct AttendInput {
   const KvCodec* v_codecs = nullptr;
   bool rotate_k = false;
   bool rotate_v = false;
+  // The centroids of pq tiles (KvFormat::book) and the layer they are read for.
+  const KvCodebook* book = nullptr;
+  int layer = 0;
   // A segment of a spliced context: its keys are rows [key_lo, key_end) of
   // the blocks (key_end < 0: first_pos + n); causal == false when every query
   // sees all of them (a segment before the queries).

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_codebook.hpp"
 
 namespace qkvshare {
 
@@ -37,6 +38,15 @@ KvCodec default_codec(KvType type, bool is_key) {
   return {type, KvAxis::token, static_cast<std::uint16_t>(type == KvType::q8 ? 0 : 32)};
 }
 
+// "pqN" (N bits per element: 8 / N channels per index) -> a pq codec.
+bool parse_pq(std::string_view name, KvCodec& out) {
+  if (name == "pq4" || name == "pq2" || name == "pq1") {
+    out = {KvType::pq, KvAxis::token, static_cast<std::uint16_t>(8 / (name[2] - '0'))};
+    return true;
+  }
+  return false;
+}
+
 int parse_int(std::string_view text, std::string_view what, std::string_view whole) {
   int v = 0;
   const auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
@@ -53,8 +63,43 @@ std::string_view type_name(KvType t) {
     case KvType::q4: return "4";
     case KvType::q3: return "3";
     case KvType::q2: return "2";
+    case KvType::pq: return "pq";
   }
   return "?";
+}
+
+// The name of one side in kXvY: bits, or pqN.
+std::string side_name(const KvCodec& c) {
+  return c.pq() ? fmt::format("pq{}", c.bits()) : std::string(type_name(c.type));
+}
+
+// A format's name: the K and V codecs (default axes and groups).
+void parse_name(std::string_view name, const std::string& whole, KvCodec& k, KvCodec& v) {
+  KvType kt{}, vt{};
+  bool k_pq = false, v_pq = false;
+  if (parse_pq(name, k)) {
+    v = k;
+    return;
+  }
+  if (name == "f32" || name == "f16" || name == "int8" || name == "int4" || name == "int3" || name == "int2") {
+    const int bits = name == "f32" ? 32 : name == "f16" ? 16 : parse_int(name.substr(3), "bits", whole);
+    type_for_bits(bits, kt);
+    vt = kt;
+  } else if (name.size() >= 4 && name[0] == 'k' && name.find('v') != std::string_view::npos) {
+    const std::size_t vpos = name.find('v');
+    const std::string_view ks = name.substr(1, vpos - 1), vs = name.substr(vpos + 1);
+    k_pq = parse_pq(ks, k);
+    v_pq = parse_pq(vs, v);
+    if ((!k_pq && !type_for_bits(parse_int(ks, "key bits", whole), kt)) ||
+        (!v_pq && !type_for_bits(parse_int(vs, "value bits", whole), vt)))
+      fail(ErrorCode::invalid_argument, "KV format '{}': bits must be 32, 16, 8, 4, 3, 2, pq4, pq2 or pq1", whole);
+  } else {
+    fail(ErrorCode::invalid_argument,
+         "KV format '{}': unknown name '{}' (expected f32, f16, int8, int4, int3, int2, pq4, pq2, pq1 or kXvY such as k8v4)",
+         whole, name);
+  }
+  if (!k_pq) k = default_codec(kt, true);
+  if (!v_pq) v = default_codec(vt, false);
 }
 
 }  // namespace
@@ -67,6 +112,7 @@ int KvCodec::bits() const noexcept {
     case KvType::q4: return 4;
     case KvType::q3: return 3;
     case KvType::q2: return 2;
+    case KvType::pq: return group == 0 ? 0 : 8 / group;
   }
   return 0;
 }
@@ -78,9 +124,11 @@ std::uint32_t KvCodec::pack() const noexcept {
 
 KvCodec KvCodec::unpack(std::uint32_t packed) {
   const std::uint32_t t = packed & 0xffu, a = (packed >> 8) & 0xffu;
-  if (t > static_cast<std::uint32_t>(KvType::q2) || a > 1)
+  if (t > static_cast<std::uint32_t>(KvType::pq) || a > 1)
     fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: unknown type {} or axis {}", packed, t, a);
   KvCodec c{static_cast<KvType>(t), static_cast<KvAxis>(a), static_cast<std::uint16_t>(packed >> 16)};
+  if (c.pq() && (c.axis != KvAxis::token || (c.group != 2 && c.group != 4 && c.group != 8)))
+    fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: pq takes sub-vectors of 2, 4 or 8 channels", packed);
   if (!c.quantized() && (c.axis != KvAxis::token || c.group != 0))
     fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: float codecs take no axis or group", packed);
   return c;
@@ -97,11 +145,16 @@ TileLayout tile_layout(const KvCodec& c, int block_tokens, int head_dim) {
   switch (c.type) {
     case KvType::f32: t.row_bytes = D * 4; break;
     case KvType::f16: t.row_bytes = D * 2; break;
+    case KvType::pq:
+      if (c.group == 0 || D % c.group != 0)
+        fail(ErrorCode::invalid_argument, "KV codec pq: sub-vectors of {} channels do not divide head_dim {}", c.group, D);
+      t.row_bytes = D / c.group;
+      break;
     default: t.row_bytes = D / 8 * static_cast<std::size_t>(c.bits()); break;
   }
   t.code_bytes = T * t.row_bytes;
   t.param_offset = round_up(t.code_bytes, 4);
-  if (c.quantized()) {
+  if (c.scaled()) {
     if (c.axis == KvAxis::channel) {
       t.n_params = D;
     } else {
@@ -114,7 +167,7 @@ TileLayout tile_layout(const KvCodec& c, int block_tokens, int head_dim) {
   }
   // Codes come first: the 3-bit unpacker reads 4 bytes for its last 3, which
   // then fall on the params (or the padding) of the same tile.
-  t.bytes = round_up(t.param_offset + t.param_bytes + (c.quantized() ? 1 : 0), kTileAlign);
+  t.bytes = round_up(t.param_offset + t.param_bytes + (c.scaled() ? 1 : 0), kTileAlign);
   return t;
 }
 
@@ -137,24 +190,7 @@ KvFormat KvFormat::parse(std::string_view text) {
     name = parts[1].substr(3);
     first_option = 2;
   }
-  KvType kt{}, vt{};
-  if (name == "f32" || name == "f16" || name == "int8" || name == "int4" || name == "int3" || name == "int2") {
-    const int bits = name == "f32" ? 32 : name == "f16" ? 16 : parse_int(name.substr(3), "bits", whole);
-    type_for_bits(bits, kt);
-    vt = kt;
-  } else if (name.size() >= 4 && name[0] == 'k' && name.find('v') != std::string_view::npos) {
-    const std::size_t vpos = name.find('v');
-    const int kb = parse_int(name.substr(1, vpos - 1), "key bits", whole);
-    const int vb = parse_int(name.substr(vpos + 1), "value bits", whole);
-    if (!type_for_bits(kb, kt) || !type_for_bits(vb, vt))
-      fail(ErrorCode::invalid_argument, "KV format '{}': bits must be 32, 16, 8, 4, 3 or 2", whole);
-  } else {
-    fail(ErrorCode::invalid_argument,
-         "KV format '{}': unknown name '{}' (expected f32, f16, int8, int4, int3, int2 or kXvY such as k8v4)",
-         whole, name);
-  }
-  f.k = default_codec(kt, true);
-  f.v = default_codec(vt, false);
+  parse_name(name, whole, f.k, f.v);
   bool has_lo = false, has_top = false;
   for (std::size_t i = first_option; i < parts.size(); ++i) {
     const std::string_view p = parts[i];
@@ -167,13 +203,13 @@ KvFormat KvFormat::parse(std::string_view text) {
     } else if (key == "sink") {
       f.sink = parse_int(val, "sink", whole);
     } else if (key == "kaxis") {
-      if (!f.k.quantized()) fail(ErrorCode::invalid_argument, "KV format '{}': kaxis needs integer keys", whole);
+      if (!f.k.scaled()) fail(ErrorCode::invalid_argument, "KV format '{}': kaxis needs integer keys", whole);
       if (val == "channel") f.k.axis = KvAxis::channel, f.k.group = 0;
       else if (val == "token") f.k.axis = KvAxis::token;
       else fail(ErrorCode::invalid_argument, "KV format '{}': kaxis must be channel or token, got '{}'", whole, val);
     } else if (key == "kgroup" || key == "vgroup") {
       KvCodec& c = key == "kgroup" ? f.k : f.v;
-      if (!c.quantized() || c.axis != KvAxis::token)
+      if (!c.scaled() || c.axis != KvAxis::token)
         fail(ErrorCode::invalid_argument, "KV format '{}': {} needs per-token integer codes", whole, key);
       const int g = parse_int(val, key, whole);
       if (g == 0 || g % 8 != 0 || g > 4096)
@@ -187,17 +223,20 @@ KvFormat KvFormat::parse(std::string_view text) {
     } else if (key == "lo") {
       KvFormat lo;
       try {
-        lo = parse(val);
+        parse_name(val, whole, lo.k, lo.v);
       } catch (const Error&) {
-        fail(ErrorCode::invalid_argument, "KV format '{}': lo must name an integer format such as int2 or k4v2, got '{}'",
+        fail(ErrorCode::invalid_argument, "KV format '{}': lo must name an integer or pq format such as int2, k4v2 or pq2, got '{}'",
              whole, val);
       }
       if (!lo.k.quantized() || !lo.v.quantized())
-        fail(ErrorCode::invalid_argument, "KV format '{}': lo must name an integer format such as int2 or k4v2, got '{}'",
+        fail(ErrorCode::invalid_argument, "KV format '{}': lo must name an integer or pq format such as int2, k4v2 or pq2, got '{}'",
              whole, val);
       f.lo_k = lo.k;
       f.lo_v = lo.v;
       has_lo = true;
+    } else if (key == "book") {
+      if (val.empty()) fail(ErrorCode::invalid_argument, "KV format '{}': book needs a file", whole);
+      f.book_path = std::string(val);
     } else if (key == "positions") {
       if (val == "keep") f.close_positions = false;
       else if (val == "close") f.close_positions = true;
@@ -217,7 +256,7 @@ KvFormat KvFormat::parse(std::string_view text) {
       has_top = has_top || key == "top";
     } else {
       fail(ErrorCode::invalid_argument,
-           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, lo, top, budget, rank, positions)",
+           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, lo, top, budget, rank, positions, book)",
            whole, key);
     }
   }
@@ -225,7 +264,21 @@ KvFormat KvFormat::parse(std::string_view text) {
     fail(ErrorCode::invalid_argument, "KV format '{}': mixed precision needs both lo=NAME and top=F", whole);
   if (has_lo && (!f.k.quantized() || !f.v.quantized()))
     fail(ErrorCode::invalid_argument, "KV format '{}': mixed precision needs integer high-precision codes", whole);
-  if (has_lo && f.lo_v.axis == KvAxis::token && f.v.axis == KvAxis::token) f.lo_v.group = f.v.group;
+  if (has_lo && f.lo_v.scaled() && f.v.scaled() && f.lo_v.axis == KvAxis::token && f.v.axis == KvAxis::token)
+    f.lo_v.group = f.v.group;
+  if (f.uses_pq() && f.book_path.empty())
+    fail(ErrorCode::invalid_argument, "KV format '{}': pq needs book=FILE (a codebook of qkvshare calibrate)", whole);
+  if (!f.uses_pq() && !f.book_path.empty())
+    fail(ErrorCode::invalid_argument, "KV format '{}': book applies to pq formats only", whole);
+  if (f.uses_pq() && (f.rotate_k || f.rotate_v))
+    fail(ErrorCode::invalid_argument, "KV format '{}': pq codebooks are learned on unrotated rows (no rot)", whole);
+  if (f.uses_pq()) {
+    try {
+      f.book = KvCodebook::shared(f.book_path);
+    } catch (const Error& e) {
+      fail(e.code(), "KV format '{}': {}", whole, e.what());
+    }
+  }
   if (f.close_positions && !f.evicts())
     fail(ErrorCode::invalid_argument, "KV format '{}': positions applies to dropping (budget)", whole);
   if (f.rank != Rank::attention && !f.observes())
@@ -240,14 +293,16 @@ std::string KvFormat::to_string() const {
   std::string s;
   const KvFormat plain = [&] {
     KvFormat d;
-    d.k = default_codec(k.type, true);
-    d.v = default_codec(v.type, false);
+    d.k = k.pq() ? k : default_codec(k.type, true);
+    d.v = v.pq() ? v : default_codec(v.type, false);
     return d;
   }();
-  if (k.type == v.type) {
+  if (k == v && k.pq()) {
+    s = side_name(k);
+  } else if (k.type == v.type && !k.pq()) {
     s = k.type == KvType::f32 ? "f32" : k.type == KvType::f16 ? "f16" : fmt::format("int{}", k.bits());
   } else {
-    s = fmt::format("k{}v{}", type_name(k.type), type_name(v.type));
+    s = fmt::format("k{}v{}", side_name(k), side_name(v));
   }
   if (window != 0) s += fmt::format(":window={}", window);
   if (sink != 0) s += fmt::format(":sink={}", sink);
@@ -256,13 +311,15 @@ std::string KvFormat::to_string() const {
   if (v.group != plain.v.group && v.group != 0) s += fmt::format(":vgroup={}", v.group);
   if (rotate_k || rotate_v) s += rotate_k && rotate_v ? ":rot=kv" : rotate_k ? ":rot=k" : ":rot=v";
   if (mixed()) {
-    s += lo_k.type == lo_v.type ? fmt::format(":lo=int{}", lo_k.bits())
-                                : fmt::format(":lo=k{}v{}", type_name(lo_k.type), type_name(lo_v.type));
+    s += lo_k == lo_v && lo_k.pq()               ? fmt::format(":lo={}", side_name(lo_k))
+         : lo_k.type == lo_v.type && !lo_k.pq() ? fmt::format(":lo=int{}", lo_k.bits())
+                                                : fmt::format(":lo=k{}v{}", side_name(lo_k), side_name(lo_v));
     s += fmt::format(":top={}", top);
   }
   if (evicts()) s += fmt::format(":budget={}", budget);
   if (rank == Rank::recent) s += ":rank=recent";
   if (close_positions) s += ":positions=close";
+  if (!book_path.empty()) s += ":book=" + book_path;
   return s;
 }
 
@@ -275,6 +332,14 @@ void KvFormat::validate(const KvShape& shape, int block_tokens) const {
     tile_layout(lo_k, block_tokens, shape.head_dim);
     tile_layout(lo_v, block_tokens, shape.head_dim);
   }
+  if (uses_pq() && (!book || !book->fits(shape)))
+    fail(ErrorCode::invalid_argument, "KV format '{}': the codebook is for {} layers x {} KV heads x head_dim {}, not this model's {} x {} x {}",
+         to_string(), book ? book->header().n_layers : 0, book ? book->header().n_kv_heads : 0,
+         book ? book->header().head_dim : 0, shape.n_layers, shape.n_kv_heads, shape.head_dim);
+  for (const KvCodec* c : {&k, &v, &lo_k, &lo_v})
+    if (c->pq() && c->group != book->sub())
+      fail(ErrorCode::invalid_argument, "KV format '{}': pq{} needs a codebook of {}-channel sub-vectors; '{}' has {}",
+           to_string(), c->bits(), c->group, book_path, book->sub());
   if ((rotate_k || rotate_v) && (shape.head_dim & (shape.head_dim - 1)) != 0)
     fail(ErrorCode::unsupported, "KV format '{}': Hadamard rotation needs a power-of-two head_dim, got {}",
          to_string(), shape.head_dim);

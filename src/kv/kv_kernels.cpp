@@ -6,9 +6,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
+#include "pq_nearest.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/half.hpp"
+#include "qkvshare/kv/kv_codebook.hpp"
 
 namespace qkvshare::kv {
 
@@ -103,6 +106,21 @@ void fit_params(const float* x, int n, int stride, int qmax, std::uint16_t& s16,
   if (sse16(s_, m_) < sse16(s16, m16)) s16 = s_, m16 = m_;
 }
 
+// Each sub-vector's nearest centroid (pq_nearest.hpp), one byte per index.
+void encode_pq_tile(int sub, const TileLayout& l, const float* rows, std::byte* tile, const float* table_t) {
+  constexpr int C = KvCodebook::kCentroids;
+  const int spaces = l.head_dim / sub;
+  std::vector<float> norms(static_cast<std::size_t>(spaces) * C), d(C);
+  for (int s = 0; s < spaces; ++s) centroid_norms(table_t + static_cast<std::size_t>(s) * sub * C, sub, &norms[static_cast<std::size_t>(s) * C]);
+  for (int j = 0; j < l.tokens; ++j) {
+    const float* x = rows + static_cast<std::size_t>(j) * l.head_dim;
+    auto* codes = reinterpret_cast<std::uint8_t*>(tile + static_cast<std::size_t>(j) * l.row_bytes);
+    for (int s = 0; s < spaces; ++s)
+      codes[s] = static_cast<std::uint8_t>(nearest_centroid(x + s * sub, table_t + static_cast<std::size_t>(s) * sub * C,
+                                                            &norms[static_cast<std::size_t>(s) * C], sub, d.data()));
+  }
+}
+
 }  // namespace
 
 void encode_row(const KvCodec& codec, const TileLayout& l, const float* row, int j, std::byte* tile) {
@@ -116,10 +134,21 @@ void encode_row(const KvCodec& codec, const TileLayout& l, const float* row, int
   }
 }
 
-void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, std::byte* tile) {
+CodebookSlice codebook_slice(const KvFormat& f, const KvCodec& c, int kind, int layer, int head) {
+  if (!c.pq()) return {};
+  QKV_CHECK(f.book != nullptr);
+  return {f.book->table(kind, layer, head), f.book->table_t(kind, layer, head)};
+}
+
+void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, std::byte* tile, CodebookSlice book) {
   const int T = l.tokens, D = l.head_dim;
   if (!codec.quantized()) {
     for (int j = 0; j < T; ++j) encode_row(codec, l, rows + static_cast<std::size_t>(j) * D, j, tile);
+    return;
+  }
+  if (codec.pq()) {
+    QKV_CHECK(book.table_t != nullptr);
+    encode_pq_tile(codec.group, l, rows, tile, book.table_t);
     return;
   }
   const int bits = codec.bits(), qmax = (1 << bits) - 1;
@@ -154,13 +183,20 @@ void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, s
   }
 }
 
-kernels::TileCodes tile_codes(const KvCodec& codec, const TileLayout& l) {
+kernels::TileCodes tile_codes(const KvCodec& codec, const TileLayout& l, CodebookSlice book) {
   kernels::TileCodes t;
   t.bits = codec.bits();
-  QKV_CHECK(t.bits == 32 || t.bits == 16 || t.bits == 8 || t.bits == 4 || t.bits == 3 || t.bits == 2);
+  if (codec.pq()) {
+    QKV_CHECK(book.table != nullptr && book.table_t != nullptr);
+    t.pq_sub = codec.group;
+    t.centroids = book.table;
+    t.centroids_t = book.table_t;
+  } else {
+    QKV_CHECK(t.bits == 32 || t.bits == 16 || t.bits == 8 || t.bits == 4 || t.bits == 3 || t.bits == 2);
+  }
   QKV_CHECK(l.head_dim > 0 && l.head_dim % 8 == 0 && l.head_dim <= kernels::kTileMaxHeadDim);
-  t.per_channel = codec.quantized() && codec.axis == KvAxis::channel;
-  t.group = codec.quantized() && !t.per_channel ? effective_group(codec, l.head_dim) : 0;
+  t.per_channel = codec.scaled() && codec.axis == KvAxis::channel;
+  t.group = codec.scaled() && !t.per_channel ? effective_group(codec, l.head_dim) : 0;
   t.head_dim = l.head_dim;
   t.row_bytes = l.row_bytes;
   t.param_offset = l.param_offset;
@@ -168,9 +204,10 @@ kernels::TileCodes tile_codes(const KvCodec& codec, const TileLayout& l) {
   return t;
 }
 
-void decode_tile_scalar(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out) {
+void decode_tile_scalar(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int n_rows, float* out,
+                        CodebookSlice book) {
   QKV_CHECK(n_rows >= 0 && n_rows <= l.tokens);
-  kernels::decode_tile_ref(tile_codes(codec, l), tile, n_rows, out);
+  kernels::decode_tile_ref(tile_codes(codec, l, book), tile, n_rows, out);
 }
 
 namespace {

@@ -3,6 +3,7 @@
 // the code that formats or attaches an arena (kv_pool_format.cpp) and the
 // code that allocates in it (kv_pool.cpp). Fixed-size fields only: the same
 // bytes are read by every process that maps the arena.
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -27,7 +28,7 @@ inline std::size_t round_up(std::size_t x, std::size_t a) { return (x + a - 1) /
 struct Geometry {
   std::size_t page_bytes = 0;       // one f32 tile: the largest tile of any codec
   std::uint32_t max_pages = 0;      // pages of an f32 block
-  std::uint32_t min_pages = 0;      // pages of a 2-bit block
+  std::uint32_t min_pages = 0;      // pages of the smallest block (2-bit codes, or pq1)
   std::size_t block_stride = 0;     // BlockHeader + page list, cache-line aligned
 };
 
@@ -47,8 +48,9 @@ inline Geometry geometry_of(const KvShape& s, int block_tokens) {
   g.page_bytes = round_up(f32.bytes, 64);
   const auto tiles = static_cast<std::uint32_t>(s.n_layers * s.n_kv_heads);
   g.max_pages = 2 * kind_pages(f32, g.page_bytes, tiles);
-  const KvCodec q2{KvType::q2, KvAxis::channel, 0};
-  g.min_pages = 2 * kind_pages(tile_layout(q2, block_tokens, s.head_dim), g.page_bytes, tiles);
+  const KvCodec q2{KvType::q2, KvAxis::channel, 0}, pq1{KvType::pq, KvAxis::token, 8};
+  g.min_pages = 2 * std::min(kind_pages(tile_layout(q2, block_tokens, s.head_dim), g.page_bytes, tiles),
+                             kind_pages(tile_layout(pq1, block_tokens, s.head_dim), g.page_bytes, tiles));
   g.block_stride = round_up(32 + 4 * static_cast<std::size_t>(g.max_pages), 64);
   return g;
 }

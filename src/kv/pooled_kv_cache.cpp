@@ -345,12 +345,13 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
         continue;
       }
       if (old_rows > 0)
-        kv::decode_tile_scalar(sc, tile_layout(sc, T, D), pool_->tile(w.src, kind, layer, h), old_rows, rows.data());
+        kv::decode_tile_scalar(sc, tile_layout(sc, T, D), pool_->tile(w.src, kind, layer, h), old_rows, rows.data(),
+                               kv::codebook_slice(format_, sc, kind, layer, h));
       for (int r = old_rows; r < end_rows; ++r)
         std::memcpy(&rows[static_cast<std::size_t>(r) * D], in_row(r), sizeof(float) * static_cast<std::size_t>(D));
       if (dc.quantized()) {
         QKV_CHECK(end_rows == T);  // only full blocks are quantized
-        kv::encode_tile(dc, dl, rows.data(), dst);
+        kv::encode_tile(dc, dl, rows.data(), dst, kv::codebook_slice(format_, dc, kind, layer, h));
         if (w.slot >= 0) {  // the pass reads these rows at the hot precision
           const KvCodec hc = hot_codec(dc);
           const TileLayout hl = tile_layout(hc, T, D);
@@ -400,6 +401,8 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   in.v_codecs = step_->view_v.data();
   in.rotate_k = format_.rotate_k;
   in.rotate_v = format_.rotate_v;
+  in.book = format_.book.get();
+  in.layer = layer;
   if (!attend_work_) attend_work_ = std::make_unique<kv::BlockAttend>();
   attend_work_->prepare(in, path_);
   return *attend_work_;
@@ -469,6 +472,8 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
     in.v_codecs = part.codecs.data() + nb;
     in.rotate_k = format_.rotate_k;
     in.rotate_v = format_.rotate_v;
+    in.book = format_.book.get();
+    in.layer = layer;
     in.out_ml = &w.ml[si * w.slots * 2];
     in.out_o = &w.po[si * w.slots * static_cast<std::size_t>(D)];
     if (tail) {

@@ -82,8 +82,9 @@ int PooledKvCache::demote() {
       const TileLayout fl = tile_layout(from, T, D), tl = tile_layout(to, T, D);
       for (int l = 0; l < L; ++l)
         for (int kh = 0; kh < s.n_kv_heads; ++kh) {
-          kv::decode_tile_scalar(from, fl, pool_->tile(ref, kind, l, kh), T, rows.data());
-          kv::encode_tile(to, tl, rows.data(), pool_->tile(lo, kind, l, kh));
+          kv::decode_tile_scalar(from, fl, pool_->tile(ref, kind, l, kh), T, rows.data(),
+                                 kv::codebook_slice(format_, from, kind, l, kh));
+          kv::encode_tile(to, tl, rows.data(), pool_->tile(lo, kind, l, kh), kv::codebook_slice(format_, to, kind, l, kh));
         }
     }
     pool_->set_fill(lo, T);

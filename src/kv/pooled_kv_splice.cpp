@@ -85,7 +85,8 @@ void PooledKvCache::read_rows(int layer, int kind, int kv_head, int first, int c
       const BlockRef ref = seg.blocks[static_cast<std::size_t>(b)];
       const BlockInfo info = pool_->info(ref);
       const KvCodec& c = kind == 0 ? info.k : info.v;
-      kv::decode_tile_scalar(c, tile_layout(c, T, D), pool_->tile(ref, kind, layer, kv_head), r + take, tile.data());
+      kv::decode_tile_scalar(c, tile_layout(c, T, D), pool_->tile(ref, kind, layer, kv_head), r + take, tile.data(),
+                             kv::codebook_slice(format_, c, kind, layer, kv_head));
       std::memcpy(out + static_cast<std::ptrdiff_t>(i - first) * D, &tile[static_cast<std::size_t>(r) * D],
                   sizeof(float) * static_cast<std::size_t>(take) * static_cast<std::size_t>(D));
       i += take;

@@ -50,6 +50,11 @@ SharedRun longest_shared_run(std::span<const TokenId> a, std::span<const TokenId
 // reuse, fork, continue); one whose tokens were dropped at seal is not that
 // prefix any more.
 void refuse_eviction(const KvFormat& f) {
+  if (f.uses_pq())
+    fail(ErrorCode::invalid_argument,
+         "KV format {}: the server does not take pq formats yet (context files and its /v1/contexts export do not "
+         "carry codebooks); use an integer format",
+         f.to_string());
   if (f.evicts())
     fail(ErrorCode::invalid_argument,
          "KV format {} drops tokens when a context is sealed (budget); the server reuses contexts by their token "

@@ -62,7 +62,7 @@ TEST(KvFormat, BadTextNamesThePart) {
   EXPECT_NE(message("").find("unknown name"), std::string::npos);
   EXPECT_NE(message("int8:lo=int2").find("both lo=NAME and top=F"), std::string::npos);
   EXPECT_NE(message("int8:top=0.2").find("both lo=NAME and top=F"), std::string::npos);
-  EXPECT_NE(message("int8:lo=f16:top=0.2").find("lo must name an integer format"), std::string::npos);
+  EXPECT_NE(message("int8:lo=f16:top=0.2").find("lo must name an integer or pq format"), std::string::npos);
   EXPECT_NE(message("int8:lo=int5:top=0.2").find("lo must name"), std::string::npos);
   EXPECT_NE(message("int8:lo=int2:top=1.5").find("top must be a share"), std::string::npos);
   EXPECT_NE(message("int8:lo=int2:top=0.2x").find("top must be a share"), std::string::npos);

@@ -24,13 +24,19 @@ namespace qkvshare::kernels {
 inline constexpr int kTileMaxHeadDim = 1024;  // the SIMD bodies' scratch
 
 struct TileCodes {
-  int bits = 32;  // 32: f32 rows, 16: f16 rows, else codes
+  int bits = 32;  // 32: f32 rows, 16: f16 rows, else codes (pq: 8 / pq_sub)
   bool per_channel = false;
   int group = 0;
   int head_dim = 0;
   std::size_t row_bytes = 0;
   std::size_t param_offset = 0;
   std::size_t param_stride = 0;
+  // Product quantization (kv_pq.hpp): row j is head_dim / pq_sub byte indices
+  // into the centroids of its sub-spaces, [spaces][256][pq_sub] (and
+  // transposed, [spaces][pq_sub][256]); no parameters.
+  int pq_sub = 0;
+  const float* centroids = nullptr;
+  const float* centroids_t = nullptr;
 };
 
 // Rows [0, n_rows) of a tile as f32 [n_rows][head_dim].
@@ -82,10 +88,10 @@ using TileCodeSumFn = void (*)(const TileCodes& t, const std::byte* tile, int lo
 
 // Whether a tile's keys / values can go through the code kernels.
 inline bool codes_keys_ok(const TileCodes& t) noexcept {
-  return t.per_channel && (t.bits == 8 || t.bits == 4 || t.bits == 3 || t.bits == 2) && t.head_dim % 16 == 0;
+  return t.pq_sub == 0 && t.per_channel && (t.bits == 8 || t.bits == 4 || t.bits == 3 || t.bits == 2) && t.head_dim % 16 == 0;
 }
 inline bool codes_values_ok(const TileCodes& t) noexcept {
-  return !t.per_channel && (t.bits == 8 || t.bits == 4 || t.bits == 3 || t.bits == 2) && t.group % 16 == 0 &&
+  return t.pq_sub == 0 && !t.per_channel && (t.bits == 8 || t.bits == 4 || t.bits == 3 || t.bits == 2) && t.group % 16 == 0 &&
          t.head_dim % 16 == 0;
 }
 

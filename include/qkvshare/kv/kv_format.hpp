@@ -15,25 +15,36 @@
 // filled block always, the blocks holding the last `window` tokens and the
 // first `sink` tokens optionally. Optional Hadamard rotation spreads outlier
 // channels over the head before storage.
+//  - pq: product quantization (kv_codebook.hpp): one byte per `group`
+//    channels of a row, the index of the nearest centroid of a calibrated
+//    codebook (the format's `book`); no scales.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 
+#include <memory>
+
 #include "qkvshare/kv/kv_cache.hpp"
 
 namespace qkvshare {
 
-enum class KvType : std::uint8_t { f32 = 0, f16 = 1, q8 = 2, q4 = 3, q3 = 4, q2 = 5 };
+class KvCodebook;
+
+enum class KvType : std::uint8_t { f32 = 0, f16 = 1, q8 = 2, q4 = 3, q3 = 4, q2 = 5, pq = 6 };
 enum class KvAxis : std::uint8_t { token = 0, channel = 1 };
 
 struct KvCodec {
   KvType type = KvType::f16;
   KvAxis axis = KvAxis::token;  // integer types only
-  std::uint16_t group = 0;      // token axis only: channels per (scale, min) pair
+  std::uint16_t group = 0;      // token axis only: channels per (scale, min) pair; pq: per index
+
 
   bool quantized() const noexcept { return type != KvType::f32 && type != KvType::f16; }
-  int bits() const noexcept;  // bits of one element's value or code
+  bool pq() const noexcept { return type == KvType::pq; }
+  // Whether tiles carry (scale, min) pairs: the integer codecs.
+  bool scaled() const noexcept { return quantized() && !pq(); }
+  int bits() const noexcept;  // bits of one element's value or code (pq: 8 / group)
   bool operator==(const KvCodec&) const = default;
 
   // Fixed 32-bit form stored in block headers (and, later, descriptors).
@@ -105,19 +116,27 @@ struct KvFormat {
   // computed at, the next token after the dropped ones' too (as H2O and
   // SnapKV keep them), or moved back over the gaps (StreamingLLM's cache).
   bool close_positions = false;
+  // The codebook of pq codecs (k, v, lo_k or lo_v), shared by every format
+  // that names the same file (KvCodebook::shared).
+  std::shared_ptr<const KvCodebook> book;
+  std::string book_path;
 
   bool operator==(const KvFormat&) const = default;
   bool mixed() const noexcept { return top < 1.0; }
   bool evicts() const noexcept { return budget < 1.0; }
   // Whether the context records its last queries (demote() and evict() rank blocks by them).
   bool observes() const noexcept { return mixed() || evicts(); }
+  // Whether any codec of the format is pq (and so needs `book`).
+  bool uses_pq() const noexcept { return k.pq() || v.pq() || (mixed() && (lo_k.pq() || lo_v.pq())); }
   // Whether K/V codecs are this mixed format's low precision (a demoted block).
   bool demoted(const KvCodec& bk, const KvCodec& bv) const noexcept { return mixed() && bk == lo_k && bv == lo_v; }
   // Cold blocks that keep k/v out of `cold` when the context is demoted.
   int kept_blocks(int cold) const noexcept;
 
   // Syntax: NAME[:option=value]... with NAME one of f32, f16, int8, int4, int3,
-  // int2 (same bits for K and V) or kXvY (X, Y in 32, 16, 8, 4, 3, 2), and
+  // int2, pq4, pq2, pq1 (same for K and V; pqN: N bits per element) or kXvY
+  // (X, Y in 32, 16, 8, 4, 3, 2, pq4, pq2, pq1), book=FILE (a codebook of
+  // `qkvshare calibrate`, required by pq; FILE holds no ':'), and
   // options window=N, sink=N (tokens), kaxis=channel|token, kgroup=N,
   // vgroup=N, rot=none|k|v|kv, and lo=NAME:top=F (mixed precision: NAME an
   // integer name as above, 0 < F < 1; vgroup applies to both precisions),

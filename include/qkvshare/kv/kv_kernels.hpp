@@ -8,13 +8,29 @@
 #include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kv/kv_format.hpp"
 
+namespace qkvshare {
+class KvCodebook;
+}
+
 namespace qkvshare::kv {
+
+// The centroids of pq tiles of one layer, KV head and K/V (KvCodebook::table
+// and table_t); empty for the other codecs.
+struct CodebookSlice {
+  const float* table = nullptr;
+  const float* table_t = nullptr;
+};
+// The slice for a tile of codec `c` of a context in format `f` (empty unless
+// c is pq; Error(internal) when f has no codebook).
+CodebookSlice codebook_slice(const KvFormat& f, const KvCodec& c, int kind, int layer, int head);
 
 // Quantization of a whole tile of `layout.tokens` rows (a full block). rows is
 // [tokens][head_dim]. Scale/min are rounded to f16 first and the codes are
 // computed against the rounded values, so decode(encode(x)) is as close as
 // the stored parameters allow.
-void encode_tile(const KvCodec& codec, const TileLayout& layout, const float* rows, std::byte* tile);
+// A pq codec stores each sub-vector's nearest centroid of `book`.
+void encode_tile(const KvCodec& codec, const TileLayout& layout, const float* rows, std::byte* tile,
+                 CodebookSlice book = {});
 
 // Writes row `j` of a float (f32/f16) tile.
 void encode_row(const KvCodec& codec, const TileLayout& layout, const float* row, int j, std::byte* tile);
@@ -22,11 +38,12 @@ void encode_row(const KvCodec& codec, const TileLayout& layout, const float* row
 // How the kernels see a tile of this codec (kernels/kv_tiles.hpp). The
 // decode, score, weighted-sum and exp kernels live in the kernels layer and
 // are reached through its one dispatch (kernels::tile_kernels).
-kernels::TileCodes tile_codes(const KvCodec& codec, const TileLayout& layout);
+kernels::TileCodes tile_codes(const KvCodec& codec, const TileLayout& layout, CodebookSlice book = {});
 
 // Rows [0, n_rows) of a tile as f32 [n_rows][head_dim]: the scalar reference
 // (kernels::decode_tile_ref), for code that needs the exact values.
-void decode_tile_scalar(const KvCodec& codec, const TileLayout& layout, const std::byte* tile, int n_rows, float* out);
+void decode_tile_scalar(const KvCodec& codec, const TileLayout& layout, const std::byte* tile, int n_rows, float* out,
+                        CodebookSlice book = {});
 
 // Whether attention reads integer tiles on their codes (kernels/kv_tiles.hpp,
 // "Attention on codes"; the default) or decodes each tile to f32 first (the
