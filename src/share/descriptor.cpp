@@ -1,5 +1,7 @@
 #include "qkvshare/share/descriptor.hpp"
 
+#include "qkvshare/kv/kv_codebook.hpp"
+
 #include <xxhash.h>
 
 #include <algorithm>
@@ -27,7 +29,7 @@ enum Offset : std::size_t {
   kOffModelFp = 88, kOffTokenizerFp = 104,
   kOffBlocksSum = 112, kOffTableSum = 120, kOffTokensSum = 128, kOffCreated = 136,
   kOffProducer = 144, kOffGrantee = 176, kOffCapability = 208,
-  kOffLoKCodec = 224, kOffLoVCodec = 228, kOffTop = 232, kOffReserved = 236, kOffSelfSum = 248,
+  kOffLoKCodec = 224, kOffLoVCodec = 228, kOffTop = 232, kOffCodebook = 236, kOffReserved = 244, kOffSelfSum = 248,
 };
 static_assert(kOffCapability == kCapabilityOffset && kOffSelfSum + 8 == kDescriptorBytes);
 constexpr std::uint32_t kMaxTokens = 1u << 24;
@@ -109,6 +111,11 @@ std::optional<KvFormat> Descriptor::format() const {
     if (!f.lo_k.quantized() || !f.lo_v.quantized()) return std::nullopt;
     f.top = static_cast<double>(top_millionths) / 1e6;
   }
+  if (f.uses_pq() != (codebook_id != 0)) return std::nullopt;
+  if (f.uses_pq()) {
+    f.book = KvCodebook::find(codebook_id);
+    if (f.book) f.book_path = f.book->path();
+  }
   return f;
 }
 
@@ -121,6 +128,7 @@ void Descriptor::set_format(const KvFormat& f) {
   lo_k_codec = f.mixed() ? f.lo_k.pack() : 0;
   lo_v_codec = f.mixed() ? f.lo_v.pack() : 0;
   top_millionths = f.mixed() ? static_cast<std::uint32_t>(std::clamp(std::lround(f.top * 1e6), 1L, 999999L)) : 0;
+  codebook_id = f.uses_pq() && f.book ? f.book->id() : 0;
 }
 
 DescriptorBytes Descriptor::encode() const {
@@ -156,6 +164,7 @@ DescriptorBytes Descriptor::encode() const {
   put_u32(b, kOffLoKCodec, lo_k_codec);
   put_u32(b, kOffLoVCodec, lo_v_codec);
   put_u32(b, kOffTop, top_millionths);
+  put_u64(b, kOffCodebook, codebook_id);
   put_u64(b, kOffSelfSum, XXH3_64bits(b.data(), kOffSelfSum));
   return b;
 }
@@ -206,6 +215,7 @@ Descriptor Descriptor::decode(std::span<const std::uint8_t> b, std::string_view 
   d.lo_k_codec = get_u32(b, kOffLoKCodec);
   d.lo_v_codec = get_u32(b, kOffLoVCodec);
   d.top_millionths = get_u32(b, kOffTop);
+  d.codebook_id = get(b, kOffCodebook, 8);
   if (d.top_millionths > 999999 || (d.top_millionths == 0 && (d.lo_k_codec != 0 || d.lo_v_codec != 0)))
     fail(ErrorCode::bad_descriptor, "{}: mixed-precision share {} (millionths) with low codecs {:#x}/{:#x} is not valid",
          source, d.top_millionths, d.lo_k_codec, d.lo_v_codec);
@@ -246,6 +256,7 @@ std::string Descriptor::json() const {
   if (top_millionths != 0)
     j["mixed"] = {{"lo_k", fmt::format("{:#010x}", lo_k_codec)}, {"lo_v", fmt::format("{:#010x}", lo_v_codec)},
                   {"top", static_cast<double>(top_millionths) / 1e6}};
+  if (codebook_id != 0) j["codebook"] = fmt::format("{:016x}", codebook_id);
   j["model_fingerprint"] = fingerprint.hex();
   j["tokenizer_fingerprint"] = fmt::format("{:016x}", fingerprint.tokenizer);
   j["checksums"] = {{"blocks", fmt::format("{:016x}", blocks_checksum)},

@@ -50,6 +50,7 @@ Descriptor descriptor_of(const ShareHeader& h, const ContextRecord& rec, std::ui
   d.lo_k_codec = rec.lo_k_codec;
   d.lo_v_codec = rec.lo_v_codec;
   d.top_millionths = rec.top_millionths;
+  d.codebook_id = rec.codebook_id;
   std::memcpy(d.fingerprint.model.data(), rec.model_fp, sizeof rec.model_fp);
   d.fingerprint.tokenizer = rec.tokenizer_fp;
   d.blocks_checksum = rec.blocks_checksum;
@@ -114,7 +115,7 @@ void SharePool::Impl::validate_locked(const Descriptor& d, std::string_view agen
       rec.position_begin != d.position_begin || rec.position_begin + rec.token_count + rec.position_gap != d.position_end ||
       rec.k_codec != d.k_codec || rec.v_codec != d.v_codec || rec.window != d.window || rec.sink != d.sink ||
       rec.format_flags != d.format_flags || rec.lo_k_codec != d.lo_k_codec || rec.lo_v_codec != d.lo_v_codec ||
-      rec.top_millionths != d.top_millionths || std::memcmp(rec.model_fp, d.fingerprint.model.data(), 16) != 0 ||
+      rec.top_millionths != d.top_millionths || rec.codebook_id != d.codebook_id || std::memcmp(rec.model_fp, d.fingerprint.model.data(), 16) != 0 ||
       rec.tokenizer_fp != d.fingerprint.tokenizer || rec.table_checksum != d.table_checksum ||
       rec.tokens_checksum != d.tokens_checksum || record_producer(rec) != d.producer)
     fail(ErrorCode::bad_descriptor, "descriptor of context {} does not match its record in pool '{}'", d.context_id,
@@ -232,6 +233,7 @@ SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<con
     rec.lo_k_codec = mixed.lo_k_codec;
     rec.lo_v_codec = mixed.lo_v_codec;
     rec.top_millionths = mixed.top_millionths;
+    rec.codebook_id = mixed.codebook_id;
   }
   std::memcpy(rec.model_fp, fp.model.data(), sizeof rec.model_fp);
   rec.tokenizer_fp = fp.tokenizer;
@@ -349,6 +351,9 @@ OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool 
   const std::optional<KvFormat> format = d.format();
   if (want_kv && !pool) refuse(FallbackReason::shape, "this process has no KV pool of the model's shape");
   if (want_kv && !format) refuse(FallbackReason::format, fmt::format("codecs {:#x}/{:#x} are unknown", d.k_codec, d.v_codec));
+  if (want_kv && format && format->uses_pq() && !format->book)
+    refuse(FallbackReason::format,
+           fmt::format("codebook {:016x} of the pq format is not loaded in this process", d.codebook_id));
   if (want_kv && static_cast<std::uint32_t>(capacity) < d.token_count)
     fail(ErrorCode::invalid_argument, "open: capacity {} cannot hold context {} of {} tokens", capacity, d.context_id,
          d.token_count);

@@ -87,7 +87,7 @@ struct ContextRecord {
   std::uint32_t lo_k_codec, lo_v_codec, top_millionths;  // mixed precision (Descriptor's fields); 0 otherwise
   std::uint32_t segment_count;  // entries of the record's segment table
   std::uint32_t position_gap;   // positions dropped with their neighbours' kept (PooledKvCache::position_gap)
-  std::uint8_t pad[8];
+  std::uint64_t codebook_id;    // a pq format's KvCodebook::id() (Descriptor's field); 0 otherwise
 };
 static_assert(sizeof(ContextRecord) == 192);
 

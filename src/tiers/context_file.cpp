@@ -146,6 +146,9 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
   std::size_t seg_blocks = 0;
   for (const ContextSegment& s : m.segments) seg_blocks += s.blocks;
   QKV_CHECK(seg_blocks == m.blocks.size());
+  if (m.format.uses_pq())
+    fail(ErrorCode::unsupported, "export: KV format {}: context files do not name pq codebooks yet; export an integer "
+         "format", m.format.to_string());
   const std::size_t n = m.blocks.size();
   const Sections sec = sections_for(m.tokens.size(), m.text.size(), m.segments.size(), n);
 
@@ -275,6 +278,8 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
   try {
     meta_.format.k = KvCodec::unpack(get32(p + 60));
     meta_.format.v = KvCodec::unpack(get32(p + 64));
+    if (meta_.format.k.pq() || meta_.format.v.pq())
+      fail(ErrorCode::unsupported, "pq codecs need a codebook, which context files do not name");
     tile_layout(meta_.format.k, meta_.block_tokens, meta_.shape.head_dim);
     tile_layout(meta_.format.v, meta_.block_tokens, meta_.shape.head_dim);
   } catch (const Error& e) {

@@ -4,8 +4,10 @@
 
 #include <cmath>
 #include <cstring>
+#include <random>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_codebook.hpp"
 #include "share_test_util.hpp"
 
 namespace qkvshare {
@@ -150,6 +152,61 @@ TEST_F(Handoff, ABudgetShipsTheKeptBlocksAsSegments) {
   const auto got = continue_with(*r.session, more_);
   ASSERT_EQ(want.size(), got.size());
   EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  pool_->release(d, "B");
+  r.session.reset();
+  reference.reset();
+  producer.reset();
+  EXPECT_EQ(pool_->stats().contexts, 0);
+  EXPECT_EQ(blocks_used(), 0u);
+}
+
+// A pq context ships its codes and names its codebook by id: a consumer
+// with that codebook loaded continues exactly as the producer would, and a
+// descriptor of a codebook this process has not loaded opens as text.
+TEST_F(Handoff, APqContextNamesItsCodebookAndContinuesExactly) {
+  const KvShape shape = engine_->kv_shape();
+  KvCodebook::Header h;
+  h.n_layers = shape.n_layers;
+  h.n_kv_heads = shape.n_kv_heads;
+  h.head_dim = shape.head_dim;
+  h.sub = 4;
+  h.calibration_tokens = 256;
+  h.model = fp_.model;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> rows(static_cast<std::size_t>(shape.n_layers) * 256 * shape.kv_dim());
+  for (float& x : rows) x = g(rng);
+  const std::string path = testing::temp_dir() + "/handoff-pq2.kvc";
+  CodebookTraining how;
+  how.iterations = 2;
+  train_codebook(h, rows, rows, 256, how).save(path);
+  const KvFormat f = KvFormat::parse("k8vpq2:book=" + path);
+  auto producer = new_pooled_session(*pool_, *engine_, f, 512);
+  std::vector<TokenId> ids = prompt_;
+  while (ids.size() < 100) ids.insert(ids.end(), more_.begin(), more_.end());
+  ids.resize(100);  // three cold blocks of pq values
+  engine_->forward(*producer, ids);
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+  const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
+  pool_->release(sealed);
+  EXPECT_EQ(d.codebook_id, f.book->id());
+  ASSERT_TRUE(d.format());
+  EXPECT_EQ(d.format()->book, f.book);
+  HandoffResult r = open_session(*pool_, *engine_, fp_, d, "B", {HandoffMode::kv});
+  ASSERT_TRUE(r.kv);
+  auto reference = producer_fork(*producer);
+  const auto want = continue_with(*reference, more_);
+  const auto got = continue_with(*r.session, more_);
+  ASSERT_EQ(want.size(), got.size());
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  // Another codebook id: the format is known but has no codebook here; the
+  // record does not match it either, so the pool refuses the descriptor.
+  Descriptor other = d;
+  other.codebook_id ^= 1;
+  const Descriptor decoded = Descriptor::decode(other.encode());
+  ASSERT_TRUE(decoded.format());
+  EXPECT_EQ(decoded.format()->book, nullptr);
+  EXPECT_THROW(open_session(*pool_, *engine_, fp_, decoded, "B"), Error);
   pool_->release(d, "B");
   r.session.reset();
   reference.reset();

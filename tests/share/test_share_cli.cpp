@@ -199,5 +199,31 @@ TEST_F(ShareCli, AnotherModelFallsBackToTextOrFailsWhenKvIsRequired) {
   EXPECT_EQ(nlohmann::json::parse(stat.out)["counters"]["fallback_model"], 1);
 }
 
+// A pq context names its codebook by id: a consumer process that loaded the
+// same codebook (its own --pool-format names it) opens the KV; one that did not
+// falls back to text and says why. The codebook comes from `calibrate`.
+TEST_F(ShareCli, APqContextOpensWhereItsCodebookIsLoadedAndFallsBackElsewhere) {
+  const std::string book = dir_ + "/stories-pq2.kvc";
+  const CliRun cal = cli("calibrate" + kModel + " --text " + testing::shared_path("data/tinystories-valid-sample.txt") +
+                         " -o " + book + " --sub 4 --tokens 300 --ctx 256 --iterations 3");
+  ASSERT_EQ(cal.status, 0) << cal.err;
+  EXPECT_NE(cal.out.find("pq2 codebook"), std::string::npos) << cal.out;
+  const std::string format = " --pool-format pq2:book=" + book;
+  ASSERT_EQ(publish(dir_ + "/a.desc", format).status, 0);
+  ASSERT_EQ(publish(dir_ + "/b.desc", format).status, 0);
+  const std::string cont = "generate" + kModel + " -p ' more' -n 2 --json --pool " + name_ + " --agent B --from ";
+  const CliRun with = cli(cont + dir_ + "/a.desc --handoff kv" + format);
+  ASSERT_EQ(with.status, 0) << with.err;
+  EXPECT_EQ(nlohmann::json::parse(with.out)["share"]["from"]["mode"], "kv");
+  const CliRun without = cli(cont + dir_ + "/b.desc");
+  ASSERT_EQ(without.status, 0) << without.err;
+  EXPECT_NE(without.err.find("not loaded in this process"), std::string::npos) << without.err;
+  EXPECT_EQ(nlohmann::json::parse(without.out)["share"]["from"]["mode"], "text");
+  const CliRun bad = cli("calibrate" + kModel + " --text " + testing::shared_path("data/tinystories-valid-sample.txt") +
+                         " -o " + book + " --sub 3");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.err.find("sub-vectors of 3 channels"), std::string::npos) << bad.err;
+}
+
 }  // namespace
 }  // namespace qkvshare

@@ -63,8 +63,15 @@ struct Descriptor {
   // (reserved bytes not zero) and its consumer falls back to text.
   std::uint32_t lo_k_codec = 0, lo_v_codec = 0;
   std::uint32_t top_millionths = 0;  // KvFormat::top * 1e6, in [1, 999999]
+  // KvCodebook::id() of a pq format's codebook (0 otherwise), in bytes
+  // 236..243 (once reserved), outside the capability tag like the fields
+  // above: a consumer opens the KV only with the codebook of this id loaded
+  // (KvCodebook::find), and an edited id sends it to the text fallback.
+  std::uint64_t codebook_id = 0;
 
-  // nullopt when a codec or flag is unknown to this build.
+  // nullopt when a codec or flag is unknown to this build. A pq format comes
+  // with the codebook of codebook_id when this process has loaded it, and
+  // without (book null) when it has not.
   std::optional<KvFormat> format() const;
   void set_format(const KvFormat& format);
 
