@@ -6,6 +6,7 @@
 //
 //   bench_kv [--depth 2048] [--steps 64] [--threads 2] [--formats f16,int8,int4,...] [--path auto|scalar|avx2|avx512]
 //            [--tiles codes|decode]   (attention on integer codes, or each tile decoded to f32 first)
+//            [--pq-tables off|on]     (pq tiles through per-query lookup tables instead of decoded)
 // Prints a table on stdout and one JSON object per format on stderr.
 #include <time.h>
 
@@ -95,6 +96,7 @@ int main(int argc, char** argv) {
     else if (a == "--path") path_name = v;
     else if (a == "--head-dim") shape.head_dim = std::atoi(v.c_str());
     else if (a == "--tiles") kv::set_codes_attention(v != "decode");  // codes (default) | decode
+    else if (a == "--pq-tables") kv::set_pq_lookup_tables(v == "on");  // off (default) | on
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;

@@ -22,13 +22,16 @@ void pq_scores(const TileCodes& t, const std::byte* tile, int lo, int hi, const 
                std::size_t s_stride) {
   const int S = t.head_dim / t.pq_sub;
   const std::size_t per_query = static_cast<std::size_t>(S) * kPqCentroids;
+  const auto* codes = reinterpret_cast<const std::uint8_t*>(tile);
   for (int i = 0; i < nq; ++i) {
     const float* li = lut + static_cast<std::size_t>(i) * per_query;
-    for (int j = lo; j < hi; ++j) {
-      const auto* codes = reinterpret_cast<const std::uint8_t*>(tile + static_cast<std::size_t>(j) * t.row_bytes);
-      float acc = 0.0f;
-      for (int p = 0; p < S; ++p) acc += li[static_cast<std::size_t>(p) * kPqCentroids + codes[p]];
-      s[static_cast<std::size_t>(i) * s_stride + static_cast<std::size_t>(j)] = acc;
+    float* si = s + static_cast<std::size_t>(i) * s_stride;
+    for (int j = lo; j < hi; ++j) si[j] = 0.0f;
+    // Space by space, so that the rows' sums are independent of each other
+    // (one chain of adds per row would wait on every add).
+    for (int p = 0; p < S; ++p) {
+      const float* lp = li + static_cast<std::size_t>(p) * kPqCentroids;
+      for (int j = lo; j < hi; ++j) si[j] += lp[codes[static_cast<std::size_t>(j) * t.row_bytes + static_cast<std::size_t>(p)]];
     }
   }
 }

@@ -58,6 +58,7 @@ kernels::Isa isa_of(AttendPath path) {
 }
 
 std::atomic<bool> g_codes_attention{true};
+std::atomic<bool> g_pq_tables{false};
 
 using Partial = BlockAttend::Partial;
 
@@ -74,9 +75,9 @@ kv::CodebookSlice codebook_slice(const AttendInput& in, const KvCodec& c, int ki
 }
 
 // The per-query tables of pq tiles (kv_pq.hpp) cost 256 products per
-// sub-space and query, and their lookups are scalar: they win over decoding
-// the tile for the few queries of decode steps, not for a prefill chunk's many
-// (measured: docs/kv-quality.md "Product quantization").
+// sub-space and query, and their lookups are scalar: never worth it for a
+// prefill chunk's many queries (and, measured, not for decode steps either at
+// head_dim 64: docs/kv-quality.md "Product quantization"; set_pq_lookup_tables).
 constexpr int kPqTableQueries = 16;
 bool pq_tables_fit(const kernels::TileCodes& t, int nq) {
   return t.pq_sub > 0 && nq <= kPqTableQueries;
@@ -123,14 +124,14 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     for (int i = 0; i < nq; ++i) hi = std::max(hi, lim_of(b, i));
     return hi;
   };
-  const bool on_codes = codes_attention();
+  const bool on_codes = codes_attention(), on_tables = on_codes && pq_lookup_tables();
   for (int b = b0; b < last_block; ++b) {
     const int rows = std::min(T, total - b * T), lo = lo_of(b);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
     const TileLayout l = tile_layout(in.k_codecs[b], T, D);
     const kernels::TileCodes kc = tile_codes(in.k_codecs[b], l, codebook_slice(in, in.k_codecs[b], 0, h));
     if (b + 1 < last_block) prefetch_tile(in.k_tiles[ti + s.n_kv_heads], tile_layout(in.k_codecs[b + 1], T, D).bytes);
-    if (on_codes && kc.pq_sub > 0 && pq_tables_fit(kc, nq)) {
+    if (on_tables && pq_tables_fit(kc, nq)) {
       // Scores from the query's table of products with the centroids.
       const int hi = hi_of(b);
       if (hi <= lo) continue;
@@ -190,7 +191,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const TileLayout l = tile_layout(in.v_codecs[b], T, D);
     const kernels::TileCodes vc = tile_codes(in.v_codecs[b], l, codebook_slice(in, in.v_codecs[b], 1, h));
     if (b + 1 < last_block) prefetch_tile(in.v_tiles[ti + s.n_kv_heads], tile_layout(in.v_codecs[b + 1], T, D).bytes);
-    if (on_codes && vc.pq_sub > 0 && pq_tables_fit(vc, nq)) {
+    if (on_tables && pq_tables_fit(vc, nq)) {
       // Weights summed per centroid; multiplied with the centroids once, below.
       const int hi = hi_of(b);
       if (hi <= lo) continue;
@@ -272,7 +273,10 @@ void BlockAttend::prepare(const AttendInput& in, AttendPath path) {
   // Few queries (decode): split the keys too, so every thread has work. The
   // split depends on the problem only, never on the thread count or on the
   // other sessions of a batch, so results are the same on any machine.
-  parts_ = in.n <= 4 ? (in.n_blocks + kPartitionBlocks - 1) / kPartitionBlocks : 1;
+  // pq lookup tables are built once per job: one partition per head then.
+  bool pq = false;
+  for (int b = 0; b < in.n_blocks && !pq && pq_lookup_tables(); ++b) pq = in.k_codecs[b].pq() || in.v_codecs[b].pq();
+  parts_ = in.n <= 4 && !pq ? (in.n_blocks + kPartitionBlocks - 1) / kPartitionBlocks : 1;
   slots_ = static_cast<std::size_t>(in.n) * static_cast<std::size_t>(s.n_heads);
   if (parts_ > 1) {
     ml_.assign(slots_ * static_cast<std::size_t>(parts_), Partial{});
@@ -350,6 +354,8 @@ void BlockAttend::finish() {
 
 void set_codes_attention(bool on) noexcept { g_codes_attention.store(on, std::memory_order_relaxed); }
 bool codes_attention() noexcept { return g_codes_attention.load(std::memory_order_relaxed); }
+void set_pq_lookup_tables(bool on) noexcept { g_pq_tables.store(on, std::memory_order_relaxed); }
+bool pq_lookup_tables() noexcept { return g_pq_tables.load(std::memory_order_relaxed); }
 
 void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool) {
   BlockAttend work;

@@ -27,9 +27,12 @@ inline int nearest_centroid(const float* x, const float* ct, const float* norms,
 #pragma omp simd
     for (int c = 0; c < C; ++c) d[c] += m * row[c];
   }
+  // The least distance first (a vectorized reduction), then its first index.
+  float least = d[0];
+#pragma omp simd reduction(min : least)
+  for (int c = 0; c < C; ++c) least = d[c] < least ? d[c] : least;
   int best = 0;
-  for (int c = 1; c < C; ++c)
-    if (d[c] < d[best]) best = c;
+  while (best < C - 1 && d[best] != least) ++best;  // (NaN rows: the last index)
   return best;
 }
 

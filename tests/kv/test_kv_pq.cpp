@@ -248,11 +248,12 @@ TEST(KvPq, PooledAttentionOnTablesMatchesDecodedTiles) {
       ThreadPool threads(2);
       std::vector<float> out[2];
       for (int on = 0; on < 2; ++on) {
-        testing::CodesAttentionScope scope(on == 1);
+        kv::set_pq_lookup_tables(on == 1);
         PooledKvCache cache(pool, fmt, 256);
         testing::run_pass(cache, testing::random_pass(shape, 100, 1), 100, threads);  // three cold pq blocks
         out[on] = testing::run_pass(cache, testing::random_pass(shape, 2, 2), 2, threads);
       }
+      kv::set_pq_lookup_tables(false);
       ASSERT_EQ(out[0].size(), out[1].size());
       for (std::size_t i = 0; i < out[0].size(); ++i)
         EXPECT_NEAR(out[0][i], out[1][i], 2e-5f) << kernels::isa_name(isa) << " " << fmt.to_string();

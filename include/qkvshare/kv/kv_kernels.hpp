@@ -51,6 +51,14 @@ void decode_tile_scalar(const KvCodec& codec, const TileLayout& layout, const st
 void set_codes_attention(bool on) noexcept;
 bool codes_attention() noexcept;
 
+// Whether decode steps read pq tiles through per-query lookup tables
+// (kernels/kv_pq.hpp; with codes_attention) or decode them like the other
+// tiles: the default, measured faster on this project's CPUs at head_dim 64
+// (the lookups are scalar; docs/kv-quality.md "Product quantization").
+// Process-wide.
+void set_pq_lookup_tables(bool on) noexcept;
+bool pq_lookup_tables() noexcept;
+
 // Orthonormal rotation of one head: x <- H * diag(signs) * x / sqrt(n), n a
 // power of two; unrotate is its inverse (and transpose). q.k is unchanged when
 // both sides are rotated.
