@@ -25,7 +25,13 @@ def table(d):
     return md
 
 
-def plot(runs, path):
+def bits_of(d, f):
+    """Every stored bit: under the handoff protocol, what the handed-off context ships (hot blocks included)."""
+    return f.get("handoff_bits_per_element") or f["bits_per_element"] if d.get("protocol") == "handoff" \
+        else f["bits_per_element"]
+
+
+def plot(runs, path, names):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -34,17 +40,17 @@ def plot(runs, path):
         print("[report_eval] matplotlib missing: no plot", file=sys.stderr)
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for d in runs:
+    for d, name in zip(runs, names):
         fs = [f for f in d["formats"] if f["format"] != "f32"]
-        bits = [f["bits_per_element"] for f in fs]
+        bits = [bits_of(d, f) for f in fs]
         for ax, key, label in [(axes[0], "ppl_delta_pct", "PPL delta vs f32 KV (%)"),
                                (axes[1], "mean_kl", "mean KL vs f32 KV (nats)")]:
-            ax.scatter(bits, [f[key] for f in fs], label=f"ctx {d['ctx']}")
+            ax.scatter(bits, [f[key] for f in fs], label=name, s=14)
             for b, f in zip(bits, fs):
-                ax.annotate(f["format"].split(":")[0] + ("+w" if "window" in f["format"] else ""), (b, f[key]),
-                            fontsize=6, xytext=(3, 3), textcoords="offset points")
-            ax.set_xlabel("stored bits per element")
+                ax.annotate(short_name(f["format"]), (b, f[key]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            ax.set_xlabel("stored bits per element (shipped, under --protocol handoff)")
             ax.set_ylabel(label)
+    axes[0].set_yscale("symlog", linthresh=0.1)
     axes[1].set_yscale("log")
     axes[0].legend(fontsize=8)
     fig.suptitle(Path(runs[0]["model"]).name + " on " + Path(runs[0]["text"]).name, fontsize=9)
@@ -54,16 +60,30 @@ def plot(runs, path):
     print(f"[report_eval] wrote {path}", file=sys.stderr)
 
 
+def short_name(fmt):
+    """The format without its codebook path, marking a window/sink, a low precision and a budget."""
+    parts = fmt.split(":")
+    out = parts[0]
+    for p in parts[1:]:
+        if p.startswith(("lo=", "top=", "budget=")):
+            out += ":" + p
+        elif p.startswith(("window", "sink")) and "+w" not in out:
+            out += "+w"
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+")
     ap.add_argument("--plot")
+    ap.add_argument("--names", help="comma-separated series names (default: the file names)")
     a = ap.parse_args()
     runs = [json.loads(Path(p).read_text()) for p in a.json]
     for d in runs:
         print("\n".join(table(d)) + "\n")
     if a.plot:
-        plot(runs, a.plot)
+        names = a.names.split(",") if a.names else [Path(p).stem for p in a.json]
+        plot(runs, a.plot, names)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@
 #include "qkvshare/agents/demo_workflow.hpp"
 #include "qkvshare/agents/orchestrator.hpp"
 #include "qkvshare/engine/generate.hpp"
+#include "qkvshare/kv/kv_codebook.hpp"
+#include "qkvshare/share/fingerprint.hpp"
 #include "qkvshare/model/synthetic_model.hpp"
 #include "test_paths.hpp"
 
@@ -92,6 +94,37 @@ TEST(Orchestrator, RefusesFormatsThatDropTokens) {
     FAIL() << "a budget format was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("agent 'continuer'"), std::string::npos) << e.what();
+  }
+}
+
+// A pq format hands off by codebook id within the run's one process: the
+// continuing step reuses the context; a codebook of another model is refused.
+TEST(Orchestrator, PqFormatsHandOffAndRefuseAnotherModelsCodebook) {
+  const auto model = Model::load(kModel, kTok);
+  const KvShape shape = Engine(*model, EngineOptions{1}).kv_shape();
+  KvCodebook::Header h;
+  h.n_layers = shape.n_layers;
+  h.n_kv_heads = shape.n_kv_heads;
+  h.head_dim = shape.head_dim;
+  h.sub = 4;
+  h.calibration_tokens = 256;
+  h.model = model_fingerprint(*model).model;
+  std::vector<float> rows(static_cast<std::size_t>(shape.n_layers) * 256 * shape.kv_dim());
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+  CodebookTraining how;
+  how.iterations = 2;
+  const std::string ours = testing::temp_dir() + "/orchestrator-pq2.kvc", theirs = testing::temp_dir() + "/other-pq2.kvc";
+  train_codebook(h, rows, rows, 256, how).save(ours);
+  h.model[0] ^= 1;
+  train_codebook(h, rows, rows, 256, how).save(theirs);
+  const Workflow wf = Workflow::parse(kChain, "chain.yaml");
+  const RunReport r = run_workflow(wf, kModel, kTok, options(RunMode::qkvshare, "pq2:book=" + ours));
+  EXPECT_GT(r.steps[1].prefill_reused, 0);
+  try {
+    run_workflow(wf, kModel, kTok, options(RunMode::qkvshare, "pq2:book=" + theirs));
+    FAIL() << "another model's codebook was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("learned on another model"), std::string::npos) << e.what();
   }
 }
 
