@@ -111,6 +111,12 @@ KvCodebook KvCodebook::load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorCode::io, "PQ codebook '{}': cannot open", path);
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  KvCodebook book = parse(bytes, path);
+  book.path_ = path;
+  return book;
+}
+
+KvCodebook KvCodebook::parse(std::string_view bytes, const std::string& path) {
   const auto bad = [&](std::string_view why) -> void {
     fail(ErrorCode::invalid_argument, "PQ codebook '{}': {}", path, why);
   };
@@ -129,6 +135,13 @@ KvCodebook KvCodebook::load(const std::string& path) {
   h.seed = u32(7);
   std::memcpy(h.model.data(), p + 32, 16);
   const std::uint64_t want = get_le(p + 48, 8);
+  // The payload's size before anything is allocated for the tables.
+  const std::uint64_t L = u32(1), H = u32(2), D = u32(3);
+  if (L == 0 || H == 0 || D == 0 || L > 4096 || H > 4096 || D > 4096)
+    bad(fmt::format("shape {} layers x {} KV heads x head_dim {} out of range", L, H, D));
+  const std::uint64_t floats = 2 * L * H * D * kCentroids;
+  if (bytes.size() - kHeaderBytes != 4 * floats)
+    bad(fmt::format("{} payload bytes where the header says {}", bytes.size() - kHeaderBytes, 4 * floats));
   KvCodebook book = [&] {
     try {
       return KvCodebook(h);
@@ -137,8 +150,6 @@ KvCodebook KvCodebook::load(const std::string& path) {
     }
   }();
   const std::size_t n = book.table_floats();
-  if (bytes.size() != kHeaderBytes + 4 * n)
-    bad(fmt::format("{} payload bytes where the header says {}", bytes.size() - kHeaderBytes, 4 * n));
   const char* payload = bytes.data() + kHeaderBytes;
   if (XXH3_64bits(payload, 4 * n) != want) bad("checksum mismatch (the tables are corrupt)");
   for (std::size_t i = 0; i < n; ++i) {
@@ -146,7 +157,6 @@ KvCodebook KvCodebook::load(const std::string& path) {
     std::memcpy(&book.tables_[i], &u, 4);
   }
   book.finish();
-  book.path_ = path;
   return book;
 }
 

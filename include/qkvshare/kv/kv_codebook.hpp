@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "qkvshare/kv/kv_cache.hpp"
@@ -63,6 +64,8 @@ class KvCodebook {
   // Error(invalid_argument) naming what is wrong with a corrupt, truncated,
   // foreign or newer file.
   static KvCodebook load(const std::string& path);
+  // The same from a file's bytes; `name` goes into the errors.
+  static KvCodebook parse(std::string_view bytes, const std::string& name);
   // load() once per path in this process; formats hold the shared copy.
   static std::shared_ptr<const KvCodebook> shared(const std::string& path);
   // A codebook that shared() has loaded in this process, by id (null: none),
