@@ -45,12 +45,7 @@ void run_calibrate(const CalibrateArgs& a) {
   const std::size_t first = a.from_start ? 0 : all.size() - static_cast<std::size_t>(a.tokens);
   Engine engine(*model, engine_options(a.model));
   const KvShape shape = engine.kv_shape();
-  KvCodebook::Header h;
-  h.n_layers = shape.n_layers;
-  h.n_kv_heads = shape.n_kv_heads;
-  h.head_dim = shape.head_dim;
-  h.sub = a.sub;
-  h.calibration_tokens = a.tokens;
+  KvCodebook::Header h = KvCodebook::Header::of(shape, a.sub, a.tokens);
   h.seed = a.seed;
   h.model = model_fingerprint(*model).model;
   KvCodebook check(h);  // a bad --sub fails before the forward passes

@@ -102,12 +102,7 @@ TEST(Orchestrator, RefusesFormatsThatDropTokens) {
 TEST(Orchestrator, PqFormatsHandOffAndRefuseAnotherModelsCodebook) {
   const auto model = Model::load(kModel, kTok);
   const KvShape shape = Engine(*model, EngineOptions{1}).kv_shape();
-  KvCodebook::Header h;
-  h.n_layers = shape.n_layers;
-  h.n_kv_heads = shape.n_kv_heads;
-  h.head_dim = shape.head_dim;
-  h.sub = 4;
-  h.calibration_tokens = 256;
+  KvCodebook::Header h = KvCodebook::Header::of(shape, 4, 256);
   h.model = model_fingerprint(*model).model;
   std::vector<float> rows(static_cast<std::size_t>(shape.n_layers) * 256 * shape.kv_dim());
   for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;

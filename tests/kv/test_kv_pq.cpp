@@ -26,12 +26,7 @@ namespace {
 constexpr int C = KvCodebook::kCentroids;
 
 KvCodebook::Header header(int layers, int heads, int dim, int sub) {
-  KvCodebook::Header h;
-  h.n_layers = layers;
-  h.n_kv_heads = heads;
-  h.head_dim = dim;
-  h.sub = sub;
-  h.calibration_tokens = 300;
+  KvCodebook::Header h = KvCodebook::Header::of(KvShape{layers, 2 * heads, heads, dim}, sub, 300);
   h.model[0] = 7;
   return h;
 }
@@ -298,12 +293,7 @@ TEST(KvPq, RealModelTracksF32CloserWithMoreBits) {
   double kl_by_sub[9] = {};
   auto pool = KvPool::create(PoolConfig{shape, 32, 64 << 20});
   for (int sub : {2, 8}) {
-    KvCodebook::Header h;
-    h.n_layers = shape.n_layers;
-    h.n_kv_heads = shape.n_kv_heads;
-    h.head_dim = shape.head_dim;
-    h.sub = sub;
-    h.calibration_tokens = n;
+    const KvCodebook::Header h = KvCodebook::Header::of(shape, sub, n);
     const std::string path = testing::temp_dir() + "/stories-" + std::to_string(sub) + ".kvc";
     train_codebook(h, keys, values, n, CodebookTraining{}).save(path);
     Session s(std::make_unique<PooledKvCache>(pool, KvFormat::parse(fmt::format("pq{}:book={}", 8 / sub, path)), 512));

@@ -165,12 +165,7 @@ TEST_F(Handoff, ABudgetShipsTheKeptBlocksAsSegments) {
 // descriptor of a codebook this process has not loaded opens as text.
 TEST_F(Handoff, APqContextNamesItsCodebookAndContinuesExactly) {
   const KvShape shape = engine_->kv_shape();
-  KvCodebook::Header h;
-  h.n_layers = shape.n_layers;
-  h.n_kv_heads = shape.n_kv_heads;
-  h.head_dim = shape.head_dim;
-  h.sub = 4;
-  h.calibration_tokens = 256;
+  KvCodebook::Header h = KvCodebook::Header::of(shape, 4, 256);
   h.model = fp_.model;
   std::mt19937 rng(3);
   std::normal_distribution<float> g(0.0f, 1.0f);

@@ -34,6 +34,17 @@ class KvCodebook {
     int calibration_tokens = 0;
     std::uint32_t seed = 0;
     std::array<std::uint8_t, 16> model{};  // ModelFingerprint::model
+
+    // The header of a codebook for a model of KV shape `s`.
+    static Header of(const KvShape& s, int sub, int calibration_tokens) {
+      Header h;
+      h.n_layers = s.n_layers;
+      h.n_kv_heads = s.n_kv_heads;
+      h.head_dim = s.head_dim;
+      h.sub = sub;
+      h.calibration_tokens = calibration_tokens;
+      return h;
+    }
   };
 
   // Tables of zeros for `h`; train_codebook fills them. Throws
