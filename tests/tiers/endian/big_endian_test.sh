@@ -24,6 +24,7 @@ ln -s /usr/include/xxhash.h "$work/inc/xxhash.h"
 [ -e /usr/include/xxh3.h ] && ln -s /usr/include/xxh3.h "$work/inc/xxh3.h"
 "$CXX" -std=c++20 -O1 -static -DFMT_HEADER_ONLY -DXXH_INLINE_ALL -I"$src/include" -isystem "$work/inc" \
   "$src/tests/tiers/endian/context_dump.cpp" "$src/src/tiers/context_file.cpp" "$src/src/kv/kv_format.cpp" \
+  "$src/src/kv/kv_codebook.cpp" \
   "$src/src/core/error.cpp" -o "$work/context_dump.s390x"
 # The cross binary really is big endian (a check of the check).
 file_out=$(od -An -tx1 -j5 -N1 "$work/context_dump.s390x" | tr -d ' ')
