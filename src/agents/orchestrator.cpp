@@ -8,7 +8,6 @@
 #include <set>
 
 #include "qkvshare/core/error.hpp"
-#include "qkvshare/kv/kv_codebook.hpp"
 #include "qkvshare/engine/generate.hpp"
 #include "qkvshare/engine/scheduler.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
@@ -119,15 +118,9 @@ class Run {
       report_.weight_copies_bytes = shared_->model->weight_bytes() + shared_->engine->float_copy_bytes();
       if (opts.mode == RunMode::qkvshare) {
         fingerprint_ = model_fingerprint(*shared_->model);
-        // A pq format's codebook holds for the model it was learned on only.
-        const auto learned_here = [&](const std::string& text, const std::string& where) {
-          if (text.empty()) return;
-          const KvFormat f = KvFormat::parse(text);
-          if (f.uses_pq() && f.book->header().model != fingerprint_.model)
-            fail(ErrorCode::invalid_argument, "{}: KV format {}: the codebook was learned on another model", where, text);
-        };
-        learned_here(opts.kv, "--kv");
-        for (const auto& [name, agent] : wf.agents) learned_here(agent.kv, "agent '" + name + "' kv");
+        if (!opts.kv.empty()) check_codebook_model(KvFormat::parse(opts.kv), fingerprint_, "--kv");
+        for (const auto& [name, agent] : wf.agents)
+          if (!agent.kv.empty()) check_codebook_model(KvFormat::parse(agent.kv), fingerprint_, "agent '" + name + "' kv");
         ShareConfig config;
         const KvShape shape = shared_->engine->kv_shape();
         config.max_tokens = opts.context;

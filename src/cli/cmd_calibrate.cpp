@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <thread>
 
 #include "common.hpp"
@@ -33,13 +31,10 @@ struct CalibrateArgs {
 };
 
 void run_calibrate(const CalibrateArgs& a) {
-  std::ifstream in(a.text_path, std::ios::binary);
-  if (!in) fail(ErrorCode::io, "--text {}: cannot open", a.text_path);
-  std::ostringstream text;
-  text << in.rdbuf();
+  const std::string text = read_text(a.text_path);
   auto model = load_model(a.model);
   const Tokenizer& tok = model->tokenizer();
-  const std::vector<TokenId> all = tok.encode(text.str());
+  const std::vector<TokenId> all = tok.encode(text);
   if (static_cast<long>(all.size()) < a.tokens)
     fail(ErrorCode::invalid_argument, "--text {}: {} tokens, fewer than --tokens {}", a.text_path, all.size(), a.tokens);
   const std::size_t first = a.from_start ? 0 : all.size() - static_cast<std::size_t>(a.tokens);

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
-#include <sstream>
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
@@ -31,14 +30,6 @@ struct EvalArgs {
   bool speed_only = false;
   std::string json_path;
 };
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(ErrorCode::io, "--text {}: cannot open", path);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 std::vector<KvFormat> parse_formats(const std::string& text) {
   if (text == "all") return all_eval_formats();

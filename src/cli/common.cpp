@@ -3,9 +3,10 @@
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 
 #include "qkvshare/core/error.hpp"
-#include "qkvshare/kv/kv_codebook.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 #include "qkvshare/share/fingerprint.hpp"
@@ -94,10 +95,15 @@ std::size_t parse_bytes(const std::string& text, std::string_view flag) {
 }
 
 void check_codebook(const KvFormat& format, const Model& model) {
-  if (!format.uses_pq()) return;
-  if (format.book->header().model != model_fingerprint(model).model)
-    fail(ErrorCode::invalid_argument, "KV format {}: the codebook was learned on another model (fingerprints differ)",
-         format.to_string());
+  if (format.uses_pq()) check_codebook_model(format, model_fingerprint(model), "--kv");
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(ErrorCode::io, "--text {}: cannot open", path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
 }
 
 }  // namespace qkvshare::cli

@@ -27,6 +27,8 @@ void add_model_args(CLI::App& cmd, ModelArgs& args);
 EngineOptions engine_options(const ModelArgs& args);
 // Loads the model, reporting the load time on stderr.
 std::unique_ptr<Model> load_model(const ModelArgs& args);
+// The whole file given to --text; Error(io) naming it when it cannot be read.
+std::string read_text(const std::string& path);
 // Throws Error(invalid_argument) when a pq format's codebook was learned on
 // another model (its fingerprint) or another shape.
 void check_codebook(const KvFormat& format, const Model& model);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "qkvshare/core/error.hpp"
@@ -68,12 +69,6 @@ void prefetch_tile(const std::byte* tile, std::size_t bytes) {
   for (std::size_t off = 0; off < bytes; off += 64) __builtin_prefetch(tile + off);
 }
 
-kv::CodebookSlice codebook_slice(const AttendInput& in, const KvCodec& c, int kind, int head) {
-  if (!c.pq()) return {};
-  QKV_CHECK(in.book != nullptr);
-  return {in.book->table(kind, in.layer, head), in.book->table_t(kind, in.layer, head)};
-}
-
 // The per-query tables of pq tiles (kv_pq.hpp) cost 256 products per
 // sub-space and query, and their lookups are scalar: never worth it for a
 // prefill chunk's many queries (and, measured, not for decode steps either at
@@ -93,9 +88,8 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
   thread_local std::vector<float> qbuf, obuf, scores, tile, qab;
   thread_local std::vector<std::int16_t> qcodes;  // int16 or int8 per channel (kv_tiles.hpp)
   thread_local std::vector<float> pq_lut, pq_hist;  // kv_pq.hpp: per query, made at the first pq tile
-  bool have_lut = false, have_hist = false;
-  const kernels::TileCodes* pq_v = nullptr;         // how to reduce pq_hist at the end
-  kernels::TileCodes pq_v_codes;
+  bool have_lut = false;
+  std::optional<kernels::TileCodes> pq_v;  // set at the first pq value tile: how to reduce pq_hist at the end
   qbuf.resize(static_cast<std::size_t>(nq) * D);
   obuf.assign(static_cast<std::size_t>(nq) * D, 0.0f);
   scores.resize(static_cast<std::size_t>(nq) * static_cast<std::size_t>(keys));
@@ -129,7 +123,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const int rows = std::min(T, total - b * T), lo = lo_of(b);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
     const TileLayout l = tile_layout(in.k_codecs[b], T, D);
-    const kernels::TileCodes kc = tile_codes(in.k_codecs[b], l, codebook_slice(in, in.k_codecs[b], 0, h));
+    const kernels::TileCodes kc = tile_codes(in.k_codecs[b], l, codebook_slice(in.book, in.k_codecs[b], 0, in.layer, h));
     if (b + 1 < last_block) prefetch_tile(in.k_tiles[ti + s.n_kv_heads], tile_layout(in.k_codecs[b + 1], T, D).bytes);
     if (on_tables && pq_tables_fit(kc, nq)) {
       // Scores from the query's table of products with the centroids.
@@ -189,17 +183,15 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const int rows = std::min(T, total - b * T), lo = lo_of(b);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
     const TileLayout l = tile_layout(in.v_codecs[b], T, D);
-    const kernels::TileCodes vc = tile_codes(in.v_codecs[b], l, codebook_slice(in, in.v_codecs[b], 1, h));
+    const kernels::TileCodes vc = tile_codes(in.v_codecs[b], l, codebook_slice(in.book, in.v_codecs[b], 1, in.layer, h));
     if (b + 1 < last_block) prefetch_tile(in.v_tiles[ti + s.n_kv_heads], tile_layout(in.v_codecs[b + 1], T, D).bytes);
     if (on_tables && pq_tables_fit(vc, nq)) {
       // Weights summed per centroid; multiplied with the centroids once, below.
       const int hi = hi_of(b);
       if (hi <= lo) continue;
-      if (!have_hist) {
+      if (!pq_v) {
         pq_hist.assign(static_cast<std::size_t>(nq) * kernels::pq_table_floats(vc), 0.0f);
-        have_hist = true;
-        pq_v_codes = vc;
-        pq_v = &pq_v_codes;
+        pq_v = vc;
       }
       float* p0 = &scores[static_cast<std::size_t>(b - b0) * T];
       for (int i = 0; i < nq; ++i) {
@@ -233,7 +225,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       if (lim > lo) ops.weighted_sum(o, p + lo, v + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D);
     }
   }
-  if (pq_v != nullptr) kernels::pq_reduce(ops, *pq_v, pq_hist.data(), nq, obuf.data());
+  if (pq_v) kernels::pq_reduce(ops, *pq_v, pq_hist.data(), nq, obuf.data());
   for (int i = 0; i < nq; ++i) {
     const int t = t0 + i / G, qh = h * G + i % G;
     const float* o = &obuf[static_cast<std::size_t>(i) * D];

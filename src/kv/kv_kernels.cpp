@@ -134,10 +134,14 @@ void encode_row(const KvCodec& codec, const TileLayout& l, const float* row, int
   }
 }
 
-CodebookSlice codebook_slice(const KvFormat& f, const KvCodec& c, int kind, int layer, int head) {
+CodebookSlice codebook_slice(const KvCodebook* book, const KvCodec& c, int kind, int layer, int head) {
   if (!c.pq()) return {};
-  QKV_CHECK(f.book != nullptr);
-  return {f.book->table(kind, layer, head), f.book->table_t(kind, layer, head)};
+  QKV_CHECK(book != nullptr);
+  return {book->table(kind, layer, head), book->table_t(kind, layer, head)};
+}
+
+CodebookSlice codebook_slice(const KvFormat& f, const KvCodec& c, int kind, int layer, int head) {
+  return codebook_slice(f.book.get(), c, kind, layer, head);
 }
 
 void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, std::byte* tile, CodebookSlice book) {

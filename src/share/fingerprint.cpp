@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kv/kv_codebook.hpp"
 
 namespace qkvshare {
 
@@ -111,6 +112,12 @@ ModelFingerprint model_fingerprint(const Model& model) {
   tensor(h, w.output);
   fp.model = h.digest();
   return fp;
+}
+
+void check_codebook_model(const KvFormat& format, const ModelFingerprint& fp, std::string_view where) {
+  if (format.uses_pq() && format.book->header().model != fp.model)
+    fail(ErrorCode::invalid_argument, "{}: KV format {}: the codebook was learned on another model (fingerprints differ)",
+         where, format.to_string());
 }
 
 }  // namespace qkvshare

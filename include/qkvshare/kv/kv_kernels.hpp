@@ -20,8 +20,9 @@ struct CodebookSlice {
   const float* table = nullptr;
   const float* table_t = nullptr;
 };
-// The slice for a tile of codec `c` of a context in format `f` (empty unless
-// c is pq; Error(internal) when f has no codebook).
+// The slice of `book` for a tile of codec `c` (empty unless c is pq;
+// Error(internal) when book is null), and the same from a format's codebook.
+CodebookSlice codebook_slice(const KvCodebook* book, const KvCodec& c, int kind, int layer, int head);
 CodebookSlice codebook_slice(const KvFormat& f, const KvCodec& c, int kind, int layer, int head);
 
 // Quantization of a whole tile of `layout.tokens` rows (a full block). rows is

@@ -9,7 +9,9 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
+#include "qkvshare/kv/kv_format.hpp"
 #include "qkvshare/model/model.hpp"
 
 namespace qkvshare {
@@ -33,6 +35,11 @@ struct ModelFingerprint {
 };
 
 ModelFingerprint model_fingerprint(const Model& model);
+
+// Throws Error(invalid_argument) naming `where` when `format` is pq and its
+// codebook was learned on another model than `fp`'s (a codebook holds for the
+// model it was learned on only).
+void check_codebook_model(const KvFormat& format, const ModelFingerprint& fp, std::string_view where);
 std::uint64_t tokenizer_fingerprint(const Tokenizer& tokenizer);
 
 }  // namespace qkvshare
