@@ -10,6 +10,7 @@
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kernels/ops.hpp"
 #include "qkvshare/kv/dense_kv_cache.hpp"
 #include "qkvshare/kv/kv_codebook.hpp"
 #include "qkvshare/share/fingerprint.hpp"
@@ -28,6 +29,7 @@ struct CalibrateArgs {
   int iterations = 12;
   unsigned seed = 1;
   bool from_start = false;
+  std::string keys = "post";
 };
 
 void run_calibrate(const CalibrateArgs& a) {
@@ -43,6 +45,8 @@ void run_calibrate(const CalibrateArgs& a) {
   KvCodebook::Header h = KvCodebook::Header::of(shape, a.sub, a.tokens);
   h.seed = a.seed;
   h.model = model_fingerprint(*model).model;
+  h.pre_rope_keys = a.keys == "pre";
+  const KvRope rope = engine.rope();
   KvCodebook check(h);  // a bad --sub fails before the forward passes
   const std::size_t kvd = static_cast<std::size_t>(shape.kv_dim());
   const std::size_t per_layer = static_cast<std::size_t>(a.tokens) * kvd;
@@ -58,6 +62,9 @@ void run_calibrate(const CalibrateArgs& a) {
       for (int t = 0; t < n; ++t) {
         const std::size_t at = static_cast<std::size_t>(l) * per_layer + static_cast<std::size_t>(done + t) * kvd;
         std::copy(cache.keys(l, t), cache.keys(l, t) + kvd, keys.begin() + static_cast<std::ptrdiff_t>(at));
+        if (h.pre_rope_keys)  // the keys as projected: the window's RoPE undone (an exact rotation, to rounding)
+          kernels::rope(&keys[at], shape.n_kv_heads, shape.head_dim, -static_cast<float>(t), rope.inv_freq.data(),
+                        rope.style);
         std::copy(cache.values(l, t), cache.values(l, t) + kvd, values.begin() + static_cast<std::ptrdiff_t>(at));
       }
     done += n;
@@ -73,9 +80,10 @@ void run_calibrate(const CalibrateArgs& a) {
   const KvCodebook book = train_codebook(h, keys, values, a.tokens, how);
   book.save(a.out_path);
   const auto t2 = std::chrono::steady_clock::now();
-  std::printf("%s: pq%d codebook (%d-channel sub-vectors, %d centroids) of %s, %d tokens of %s (%s), id %016llx; "
+  std::printf("%s: pq%d codebook (%d-channel sub-vectors, %d centroids, keys %s RoPE) of %s, %d tokens of %s (%s), id %016llx; "
               "forward %.1f s, k-means %.1f s\n",
-              a.out_path.c_str(), 8 / a.sub, a.sub, KvCodebook::kCentroids, a.model.model_path.c_str(), a.tokens,
+              a.out_path.c_str(), 8 / a.sub, a.sub, KvCodebook::kCentroids, h.pre_rope_keys ? "before" : "after",
+              a.model.model_path.c_str(), a.tokens,
               a.text_path.c_str(), a.from_start ? "from its start" : "from its end",
               static_cast<unsigned long long>(book.id()), std::chrono::duration<double>(t1 - t0).count(),
               std::chrono::duration<double>(t2 - t1).count());
@@ -95,6 +103,8 @@ void register_calibrate(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--iterations", args->iterations, "k-means iterations")->check(CLI::Range(1, 1000));
   cmd->add_option("--seed", args->seed, "k-means seed (the result is deterministic for it)");
+  cmd->add_option("--keys", args->keys, "Learn keys as the pool stores them: post (after RoPE) or pre (for keys=pre formats)")
+      ->check(CLI::IsMember({"post", "pre"}));
   cmd->add_flag("--from-start", args->from_start, "Take the tokens from the start of the text instead of its end");
   cmd->callback([args] { run_calibrate(*args); });
 }

@@ -176,6 +176,9 @@ void Engine::run_batch(std::span<const BatchEntry> entries) {
       if (!alive_[i]) continue;
       KvCache& cache = entries[i].session->cache();
       const int p0 = cache.next_position(), r0 = row0_[i];
+      // A cache that stores keys before RoPE rotates them when it reads them.
+      const bool keys_as_projected = cache.keys_before_rope();
+      if (keys_as_projected && l == 0) cache.set_rope(rope());
       for (int t = 0; t < rows(i); ++t) {
         const std::int64_t r = r0 + t;
         if (lw.bq) {
@@ -197,7 +200,7 @@ void Engine::run_batch(std::span<const BatchEntry> entries) {
         }
         const auto pos = static_cast<float>(p0 + t);
         kernels::rope(&q_[r * qd], c.n_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);
-        kernels::rope(&k_[r * kvd], c.n_kv_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);
+        if (!keys_as_projected) kernels::rope(&k_[r * kvd], c.n_kv_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);
       }
       try {
         cache.write(l, rows(i), &k_[r0 * kvd], &v_[r0 * kvd]);

@@ -125,7 +125,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const TileLayout l = tile_layout(in.k_codecs[b], T, D);
     const kernels::TileCodes kc = tile_codes(in.k_codecs[b], l, codebook_slice(in.book, in.k_codecs[b], 0, in.layer, h));
     if (b + 1 < last_block) prefetch_tile(in.k_tiles[ti + s.n_kv_heads], tile_layout(in.k_codecs[b + 1], T, D).bytes);
-    if (on_tables && pq_tables_fit(kc, nq)) {
+    if (on_tables && pq_tables_fit(kc, nq) && !in.k_positions) {
       // Scores from the query's table of products with the centroids.
       const int hi = hi_of(b);
       if (hi <= lo) continue;
@@ -143,7 +143,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       }
       continue;
     }
-    if (on_codes && kernels::codes_keys_ok(kc)) {
+    if (on_codes && kernels::codes_keys_ok(kc) && !in.k_positions) {
       // Scores straight from the codes, for the rows any query sees.
       const int hi = hi_of(b);
       if (hi <= lo) continue;
@@ -162,6 +162,15 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const float* k = reinterpret_cast<const float*>(in.k_tiles[ti]);
     if (in.k_codecs[b].type != KvType::f32) {
       ops.decode(kc, in.k_tiles[ti], rows, tile.data());
+      k = tile.data();
+    }
+    if (in.k_positions) {  // stored before RoPE: rotated to the positions they were computed at
+      if (k != tile.data()) std::memcpy(tile.data(), k, sizeof(float) * static_cast<std::size_t>(rows) * D);
+      const int hi = hi_of(b);
+      for (int r = lo; r < hi; ++r) {
+        const float* cs = in.rope_table + static_cast<std::ptrdiff_t>(in.k_positions[b] + r) * D;
+        kernels::rope_rotate(&tile[static_cast<std::size_t>(r) * D], 1, D, cs, cs + D / 2, in.rope_style);
+      }
       k = tile.data();
     }
     for (int i = 0; i < nq; ++i) {
@@ -253,8 +262,9 @@ void BlockAttend::prepare(const AttendInput& in, AttendPath path) {
   bool all_f32 = true;
   for (int b = 0; b < in.n_blocks; ++b)
     all_f32 = all_f32 && in.k_codecs[b].type == KvType::f32 && in.v_codecs[b].type == KvType::f32;
-  if (path == AttendPath::exact || (path == AttendPath::automatic && all_f32 && !in.rotate_k && !in.rotate_v && plain)) {
-    QKV_CHECK(all_f32 && !in.rotate_k && !in.rotate_v && plain);
+  const bool direct = all_f32 && !in.rotate_k && !in.rotate_v && !in.k_positions && plain;
+  if (path == AttendPath::exact || (path == AttendPath::automatic && direct)) {
+    QKV_CHECK(direct);
     ops_ = nullptr;
     return;
   }

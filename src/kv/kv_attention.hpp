@@ -30,6 +30,12 @@ struct AttendInput {
   // The centroids of pq tiles (KvFormat::book) and the layer they are read for.
   const KvCodebook* book = nullptr;
   int layer = 0;
+  // Keys stored before RoPE (KvFormat::pre_rope_k): row r of block b was
+  // computed at position k_positions[b] + r, and is rotated there when read,
+  // with the cos and sin of rope_table ([position][cos head_dim/2, sin head_dim/2]).
+  const int* k_positions = nullptr;
+  const float* rope_table = nullptr;
+  RopeStyle rope_style = RopeStyle::interleaved;
   // A segment of a spliced context: its keys are rows [key_lo, key_end) of
   // the blocks (key_end < 0: first_pos + n); causal == false when every query
   // sees all of them (a segment before the queries).

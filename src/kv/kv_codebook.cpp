@@ -14,7 +14,11 @@ namespace qkvshare {
 namespace {
 
 constexpr char kMagic[8] = {'Q', 'K', 'V', 'S', 'P', 'Q', 'C', 'B'};
-constexpr std::size_t kHeaderBytes = 8 + 4 * 8 + 16 + 8;
+// Version 1 ends its header after the model fingerprint and checksum;
+// version 2 adds a u32 of flags (bit 0: keys learned before RoPE).
+constexpr std::size_t kHeaderBytesV1 = 8 + 4 * 8 + 16 + 8;
+constexpr std::size_t kHeaderBytes = kHeaderBytesV1 + 4;
+constexpr std::uint32_t kFlagPreRopeKeys = 1u;
 
 void put_u32(std::string& s, std::uint32_t v) {
   for (int i = 0; i < 4; ++i) s += static_cast<char>((v >> (8 * i)) & 0xffu);
@@ -48,6 +52,7 @@ std::string header_bytes(const KvCodebook::Header& h, std::uint64_t payload_hash
   put_u32(s, h.seed);
   s.append(reinterpret_cast<const char*>(h.model.data()), h.model.size());
   put_u64(s, payload_hash);
+  put_u32(s, h.pre_rope_keys ? kFlagPreRopeKeys : 0u);
   return s;
 }
 
@@ -120,11 +125,15 @@ KvCodebook KvCodebook::parse(std::string_view bytes, const std::string& path) {
   const auto bad = [&](std::string_view why) -> void {
     fail(ErrorCode::invalid_argument, "PQ codebook '{}': {}", path, why);
   };
-  if (bytes.size() < kHeaderBytes) bad(fmt::format("truncated header ({} bytes)", bytes.size()));
+  if (bytes.size() < kHeaderBytesV1) bad(fmt::format("truncated header ({} bytes)", bytes.size()));
   if (std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) bad("not a codebook file (bad magic)");
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data()) + 8;
   const auto u32 = [&](int i) { return static_cast<std::uint32_t>(get_le(p + 4 * i, 4)); };
-  if (u32(0) != kVersion) bad(fmt::format("version {} (this build reads {})", u32(0), kVersion));
+  if (u32(0) != 1 && u32(0) != kVersion) bad(fmt::format("version {} (this build reads 1 to {})", u32(0), kVersion));
+  const std::size_t header_bytes = u32(0) == 1 ? kHeaderBytesV1 : kHeaderBytes;
+  if (bytes.size() < header_bytes) bad(fmt::format("truncated header ({} bytes)", bytes.size()));
+  const std::uint32_t flags = u32(0) == 1 ? 0u : static_cast<std::uint32_t>(get_le(p + 56, 4));
+  if ((flags & ~kFlagPreRopeKeys) != 0) bad(fmt::format("unknown flags 0x{:x}", flags));
   if (u32(5) != kCentroids) bad(fmt::format("{} centroids (expected {})", u32(5), kCentroids));
   Header h;
   h.n_layers = static_cast<int>(u32(1));
@@ -133,6 +142,7 @@ KvCodebook KvCodebook::parse(std::string_view bytes, const std::string& path) {
   h.sub = static_cast<int>(u32(4));
   h.calibration_tokens = static_cast<int>(u32(6));
   h.seed = u32(7);
+  h.pre_rope_keys = (flags & kFlagPreRopeKeys) != 0;
   std::memcpy(h.model.data(), p + 32, 16);
   const std::uint64_t want = get_le(p + 48, 8);
   // The payload's size before anything is allocated for the tables.
@@ -140,8 +150,8 @@ KvCodebook KvCodebook::parse(std::string_view bytes, const std::string& path) {
   if (L == 0 || H == 0 || D == 0 || L > 4096 || H > 4096 || D > 4096)
     bad(fmt::format("shape {} layers x {} KV heads x head_dim {} out of range", L, H, D));
   const std::uint64_t floats = 2 * L * H * D * kCentroids;
-  if (bytes.size() - kHeaderBytes != 4 * floats)
-    bad(fmt::format("{} payload bytes where the header says {}", bytes.size() - kHeaderBytes, 4 * floats));
+  if (bytes.size() - header_bytes != 4 * floats)
+    bad(fmt::format("{} payload bytes where the header says {}", bytes.size() - header_bytes, 4 * floats));
   KvCodebook book = [&] {
     try {
       return KvCodebook(h);
@@ -150,7 +160,7 @@ KvCodebook KvCodebook::parse(std::string_view bytes, const std::string& path) {
     }
   }();
   const std::size_t n = book.table_floats();
-  const char* payload = bytes.data() + kHeaderBytes;
+  const char* payload = bytes.data() + header_bytes;
   if (XXH3_64bits(payload, 4 * n) != want) bad("checksum mismatch (the tables are corrupt)");
   for (std::size_t i = 0; i < n; ++i) {
     const auto u = static_cast<std::uint32_t>(get_le(reinterpret_cast<const unsigned char*>(payload) + 4 * i, 4));

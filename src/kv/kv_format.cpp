@@ -220,6 +220,10 @@ KvFormat KvFormat::parse(std::string_view text) {
         fail(ErrorCode::invalid_argument, "KV format '{}': rot must be none, k, v or kv, got '{}'", whole, val);
       f.rotate_k = val == "k" || val == "kv";
       f.rotate_v = val == "v" || val == "kv";
+    } else if (key == "keys") {
+      if (val != "post" && val != "pre")
+        fail(ErrorCode::invalid_argument, "KV format '{}': keys must be post or pre (RoPE), got '{}'", whole, val);
+      f.pre_rope_k = val == "pre";
     } else if (key == "lo") {
       KvFormat lo;
       try {
@@ -256,7 +260,7 @@ KvFormat KvFormat::parse(std::string_view text) {
       has_top = has_top || key == "top";
     } else {
       fail(ErrorCode::invalid_argument,
-           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, lo, top, budget, rank, positions, book)",
+           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, keys, lo, top, budget, rank, positions, book)",
            whole, key);
     }
   }
@@ -272,6 +276,8 @@ KvFormat KvFormat::parse(std::string_view text) {
     fail(ErrorCode::invalid_argument, "KV format '{}': book applies to pq formats only", whole);
   if (f.uses_pq() && (f.rotate_k || f.rotate_v))
     fail(ErrorCode::invalid_argument, "KV format '{}': pq codebooks are learned on unrotated rows (no rot)", whole);
+  if (f.pre_rope_k && f.rotate_k)
+    fail(ErrorCode::invalid_argument, "KV format '{}': keys=pre does not combine with rotated keys (rot=k or kv)", whole);
   if (f.uses_pq()) {
     try {
       f.book = KvCodebook::shared(f.book_path);
@@ -310,6 +316,7 @@ std::string KvFormat::to_string() const {
   if (k.axis == KvAxis::token && k.group != plain.k.group && k.group != 0) s += fmt::format(":kgroup={}", k.group);
   if (v.group != plain.v.group && v.group != 0) s += fmt::format(":vgroup={}", v.group);
   if (rotate_k || rotate_v) s += rotate_k && rotate_v ? ":rot=kv" : rotate_k ? ":rot=k" : ":rot=v";
+  if (pre_rope_k) s += ":keys=pre";
   if (mixed()) {
     s += lo_k == lo_v && lo_k.pq()               ? fmt::format(":lo={}", side_name(lo_k))
          : lo_k.type == lo_v.type && !lo_k.pq() ? fmt::format(":lo=int{}", lo_k.bits())
@@ -340,6 +347,10 @@ void KvFormat::validate(const KvShape& shape, int block_tokens) const {
     if (c->pq() && c->group != book->sub())
       fail(ErrorCode::invalid_argument, "KV format '{}': pq{} needs a codebook of {}-channel sub-vectors; '{}' has {}",
            to_string(), c->bits(), c->group, book_path, book->sub());
+  if ((k.pq() || (mixed() && lo_k.pq())) && book->header().pre_rope_keys != pre_rope_k)
+    fail(ErrorCode::invalid_argument, "KV format '{}': codebook '{}' was learned on keys {} RoPE; the format stores them {} "
+         "(keys={} here, or calibrate --keys {})", to_string(), book_path, book->header().pre_rope_keys ? "before" : "after",
+         pre_rope_k ? "before" : "after", book->header().pre_rope_keys ? "pre" : "post", pre_rope_k ? "pre" : "post");
   if ((rotate_k || rotate_v) && (shape.head_dim & (shape.head_dim - 1)) != 0)
     fail(ErrorCode::unsupported, "KV format '{}': Hadamard rotation needs a power-of-two head_dim, got {}",
          to_string(), shape.head_dim);

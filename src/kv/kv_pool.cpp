@@ -29,7 +29,7 @@ std::uint32_t KvPool::pages_for(const KvCodec& k, const KvCodec& v) const {
          kind_pages(tile_layout(v, block_tokens_, shape_.head_dim), page_bytes_, tiles);
 }
 
-BlockRef KvPool::allocate(const KvCodec& k, const KvCodec& v, std::uint32_t flags) {
+BlockRef KvPool::allocate(const KvCodec& k, const KvCodec& v, std::uint32_t flags, int key_position) {
   const std::uint32_t need = pages_for(k, v);  // validates the codecs against the head
   QKV_CHECK(need <= max_pages_);
   std::lock_guard lock(*lock_);
@@ -57,6 +57,7 @@ BlockRef KvPool::allocate(const KvCodec& k, const KvCodec& v, std::uint32_t flag
   b.v_codec = v.pack();
   b.flags = flags;
   b.fill = 0;
+  b.key_position = key_position;
   b.n_pages = need;
   b.next_free = kNil;
   b.refcount.store(1, std::memory_order_release);
@@ -165,7 +166,7 @@ void KvPool::rebuild_free_lists() noexcept {
 BlockInfo KvPool::info(BlockRef ref) const {
   const BlockHeader& b = checked(ref);
   return BlockInfo{KvCodec::unpack(b.k_codec), KvCodec::unpack(b.v_codec), b.flags, b.fill,
-                   b.refcount.load(std::memory_order_acquire)};
+                   b.refcount.load(std::memory_order_acquire), b.key_position};
 }
 
 void KvPool::set_fill(BlockRef ref, int fill) {

@@ -51,7 +51,7 @@ inline Geometry geometry_of(const KvShape& s, int block_tokens) {
   const KvCodec q2{KvType::q2, KvAxis::channel, 0}, pq1{KvType::pq, KvAxis::token, 8};
   g.min_pages = 2 * std::min(kind_pages(tile_layout(q2, block_tokens, s.head_dim), g.page_bytes, tiles),
                              kind_pages(tile_layout(pq1, block_tokens, s.head_dim), g.page_bytes, tiles));
-  g.block_stride = round_up(32 + 4 * static_cast<std::size_t>(g.max_pages), 64);
+  g.block_stride = round_up(40 + 4 * static_cast<std::size_t>(g.max_pages), 64);
   return g;
 }
 
@@ -87,6 +87,8 @@ struct KvPool::BlockHeader {
   std::atomic<std::uint32_t> refcount;
   std::atomic<std::uint32_t> generation;
   std::uint32_t k_codec, v_codec, flags, fill, n_pages, next_free;
+  std::int32_t key_position;  // BlockInfo::key_position
+  std::uint32_t reserved;
   std::uint32_t* pages() noexcept { return reinterpret_cast<std::uint32_t*>(this + 1); }
 };
 

@@ -27,6 +27,7 @@ class SegmentAttend final : public AttendWork {
     std::vector<const std::byte*> tiles;
     std::vector<KvCodec> codecs;
     std::vector<float> q;  // the rotated query, when the offset is not 0
+    std::vector<int> pos;  // keys=pre: each block's key position
   };
   std::vector<Part> parts;
   std::size_t used = 0;  // parts of the current plan
@@ -85,12 +86,14 @@ struct PooledKvCache::Step {
     KvCodec dk, dv, sk, sv;
     bool fresh = false;  // dst was allocated by this pass
     int slot = -1;       // its pass copy in pass_tiles (PassPrecision::full), or -1
+    int key_pos = 0;     // BlockInfo::key_position
   };
   int n = 0;
   int next_layer = 0;
   std::vector<BlockRef> view;  // the table as attention reads it during the pass
   std::vector<KvCodec> view_k, view_v;  // the codecs attention reads (the pass copy's, where there is one)
   std::vector<int> view_slot;  // per view block and kind (K, V): its pass copy, or -1
+  std::vector<int> view_pos;   // per view block: the position its row 0 was computed at
   std::vector<Work> work;
   std::vector<float> rows;  // one tile of rows being requantized
   // Pass copies of the current layer: [slot][kind][kv_head] tiles of the hot codec,
@@ -198,7 +201,30 @@ std::unique_ptr<PooledKvCache> PooledKvCache::adopt(std::shared_ptr<KvPool> pool
 }
 
 std::uint32_t PooledKvCache::block_flags() const noexcept {
-  return (format_.rotate_k ? kBlockRotatedK : 0u) | (format_.rotate_v ? kBlockRotatedV : 0u);
+  return (format_.rotate_k ? kBlockRotatedK : 0u) | (format_.rotate_v ? kBlockRotatedV : 0u) |
+         (format_.pre_rope_k ? kBlockPreRopeK : 0u);
+}
+
+void PooledKvCache::set_rope(const KvRope& rope) {
+  if (rope.inv_freq == rope_.inv_freq && rope.style == rope_.style) return;
+  rope_ = rope;
+  rope_table_.clear();
+}
+
+const float* PooledKvCache::rope_table(int end_position) const {
+  const int D = shape().head_dim;
+  if (static_cast<int>(rope_.inv_freq.size()) * 2 != D)
+    fail(ErrorCode::invalid_argument, "KV format {}: keys stored before RoPE need the model's RoPE frequencies "
+         "(set_rope; the engine gives them before each pass)", format_.to_string());
+  const int have = static_cast<int>(rope_table_.size() / static_cast<std::size_t>(D));
+  if (end_position > have) {
+    rope_table_.resize(static_cast<std::size_t>(end_position) * static_cast<std::size_t>(D));
+    for (int p = have; p < end_position; ++p) {
+      float* row = &rope_table_[static_cast<std::size_t>(p) * static_cast<std::size_t>(D)];
+      kernels::rope_angles(static_cast<float>(p), rope_.inv_freq.data(), D, row, row + D / 2);
+    }
+  }
+  return rope_table_.data();
 }
 
 std::size_t PooledKvCache::kv_bytes() const {
@@ -227,6 +253,7 @@ void PooledKvCache::plan(int n) {
   step->view.resize(static_cast<std::size_t>(new_blocks));
   step->view_k.resize(static_cast<std::size_t>(new_blocks));
   step->view_v.resize(static_cast<std::size_t>(new_blocks));
+  step->view_pos.resize(static_cast<std::size_t>(new_blocks));
   const KvCodec hk = hot_codec(format_.k), hv = hot_codec(format_.v);
   const bool converts = hk != format_.k || hv != format_.v;
   try {
@@ -235,9 +262,12 @@ void PooledKvCache::plan(int n) {
       const KvCodec tk = hot ? hk : format_.k, tv = hot ? hv : format_.v;
       const bool touched = (b + 1) * T > done;
       Step::Work w{b, {}, {}, tk, tv, tk, tv, false};
+      w.key_pos = next_position() + b * T - done;  // row 0 is this pass's token b * T - done
       if (b < old_blocks) {
         const BlockRef cur = tail[static_cast<std::size_t>(b)];
         const BlockInfo info = pool_->info(cur);
+        w.key_pos = info.key_position;
+        step->view_pos[static_cast<std::size_t>(b)] = info.key_position;
         step->view[static_cast<std::size_t>(b)] = cur;
         step->view_k[static_cast<std::size_t>(b)] = info.k;
         step->view_v[static_cast<std::size_t>(b)] = info.v;
@@ -253,8 +283,9 @@ void PooledKvCache::plan(int n) {
           continue;
         }
       }
-      w.dst = pool_->allocate(tk, tv, block_flags());
+      w.dst = pool_->allocate(tk, tv, block_flags(), w.key_pos);
       w.fresh = true;
+      step->view_pos[static_cast<std::size_t>(b)] = w.key_pos;
       // A block this pass quantizes and puts its own tokens in: the pass reads a hot copy.
       const bool pass_copy =
           pass_precision_ == PassPrecision::full && touched && (tk.quantized() || tv.quantized());
@@ -403,6 +434,11 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   in.rotate_v = format_.rotate_v;
   in.book = format_.book.get();
   in.layer = layer;
+  if (format_.pre_rope_k) {
+    in.k_positions = step_->view_pos.data();
+    in.rope_table = rope_table(*std::max_element(step_->view_pos.begin(), step_->view_pos.end()) + pool_->block_tokens());
+    in.rope_style = rope_.style;
+  }
   if (!attend_work_) attend_work_ = std::make_unique<kv::BlockAttend>();
   attend_work_->prepare(in, path_);
   return *attend_work_;
@@ -425,6 +461,14 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
   w.po.resize(segs * w.slots * static_cast<std::size_t>(D));
   w.first_job.assign(segs + 1, 0);
   const AttendPath path = path_ == AttendPath::exact ? AttendPath::scalar : path_;
+  const float* table = nullptr;  // keys=pre: one table for every segment (growing it moves it)
+  if (format_.pre_rope_k) {
+    int end = 0;
+    for (std::size_t si = 0; si + 1 < segs; ++si)
+      for (const BlockRef b : segments_[si].blocks) end = std::max(end, pool_->info(b).key_position + T);
+    for (const int p : step_->view_pos) end = std::max(end, p + T);
+    table = rope_table(end);
+  }
   for (std::size_t si = 0; si < segs; ++si) {
     const KvSegment& seg = segments_[si];
     kv::SegmentAttend::Part& part = w.parts[si];
@@ -434,6 +478,7 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
     QKV_CHECK(nb > 0);  // frozen segments hold tokens; the tail holds this pass's
     part.tiles.resize(static_cast<std::size_t>(nb) * static_cast<std::size_t>(s.n_kv_heads) * 2);
     part.codecs.resize(static_cast<std::size_t>(nb) * 2);
+    part.pos.resize(static_cast<std::size_t>(nb));
     const std::size_t half = part.tiles.size() / 2;
     for (int b = 0; b < nb; ++b) {
       const BlockRef ref = blocks[static_cast<std::size_t>(b)];
@@ -445,10 +490,12 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
       if (tail) {
         part.codecs[static_cast<std::size_t>(b)] = step_->view_k[static_cast<std::size_t>(b)];
         part.codecs[static_cast<std::size_t>(nb + b)] = step_->view_v[static_cast<std::size_t>(b)];
+        part.pos[static_cast<std::size_t>(b)] = step_->view_pos[static_cast<std::size_t>(b)];
       } else {
         const BlockInfo info = pool_->info(ref);
         part.codecs[static_cast<std::size_t>(b)] = info.k;
         part.codecs[static_cast<std::size_t>(nb + b)] = info.v;
+        part.pos[static_cast<std::size_t>(b)] = info.key_position;
       }
     }
     const float* qs = q;
@@ -474,6 +521,11 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
     in.rotate_v = format_.rotate_v;
     in.book = format_.book.get();
     in.layer = layer;
+    if (format_.pre_rope_k) {
+      in.k_positions = part.pos.data();
+      in.rope_table = table;
+      in.rope_style = rope_.style;
+    }
     in.out_ml = &w.ml[si * w.slots * 2];
     in.out_o = &w.po[si * w.slots * static_cast<std::size_t>(D)];
     if (tail) {

@@ -75,7 +75,7 @@ int PooledKvCache::demote() {
     BlockRef& ref = blocks[static_cast<std::size_t>(cold[i])];
     const BlockInfo info = pool_->info(ref);
     if (info.k != format_.k || info.v != format_.v) continue;  // demoted already
-    const BlockRef lo = pool_->allocate(format_.lo_k, format_.lo_v, block_flags());
+    const BlockRef lo = pool_->allocate(format_.lo_k, format_.lo_v, block_flags(), info.key_position);
     for (int kind = 0; kind < 2; ++kind) {
       const KvCodec& from = kind == 0 ? info.k : info.v;
       const KvCodec& to = kind == 0 ? format_.lo_k : format_.lo_v;

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kernels/ops.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
@@ -28,7 +29,7 @@ void PooledKvCache::splice(const PooledKvCache& src, int begin, int end, const K
   QKV_CHECK(!step_ && !src.step_);
   if (src.pool_ != pool_) fail(ErrorCode::invalid_argument, "splice: the source context lives in another KV pool");
   if (src.block_flags() != block_flags())
-    fail(ErrorCode::invalid_argument, "splice: the source context's format {} rotates K/V differently from {}",
+    fail(ErrorCode::invalid_argument, "splice: the source context's format {} rotates or stores K/V differently from {}",
          src.format_.to_string(), format_.to_string());
   if (src.position_gap_ != 0)
     fail(ErrorCode::unsupported, "splice: the source context dropped tokens and kept their neighbours' positions; "
@@ -67,7 +68,7 @@ void PooledKvCache::splice(const PooledKvCache& src, int begin, int end, const K
   segments_.push_back(KvSegment{0, {}, 0, 0});
   size_ += n;
   base_ = size_;
-  rope_ = rope;
+  set_rope(rope);
 }
 
 void PooledKvCache::read_rows(int layer, int kind, int kv_head, int first, int count, float* out) const {
@@ -87,6 +88,12 @@ void PooledKvCache::read_rows(int layer, int kind, int kv_head, int first, int c
       const KvCodec& c = kind == 0 ? info.k : info.v;
       kv::decode_tile_scalar(c, tile_layout(c, T, D), pool_->tile(ref, kind, layer, kv_head), r + take, tile.data(),
                              kv::codebook_slice(format_, c, kind, layer, kv_head));
+      if (kind == 0 && (info.flags & kBlockPreRopeK) != 0) {  // the keys as attention reads them
+        const float* table = rope_table(info.key_position + T);
+        for (int j = r; j < r + take; ++j)
+          kernels::rope_rotate(&tile[static_cast<std::size_t>(j) * D], 1, D, table + (info.key_position + j) * D,
+                               table + (info.key_position + j) * D + D / 2, rope_.style);
+      }
       std::memcpy(out + static_cast<std::ptrdiff_t>(i - first) * D, &tile[static_cast<std::size_t>(r) * D],
                   sizeof(float) * static_cast<std::size_t>(take) * static_cast<std::size_t>(D));
       i += take;

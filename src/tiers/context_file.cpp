@@ -149,6 +149,9 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
   if (m.format.uses_pq())
     fail(ErrorCode::unsupported, "export: KV format {}: context files do not name pq codebooks yet; export an integer "
          "format", m.format.to_string());
+  if (m.format.pre_rope_k)
+    fail(ErrorCode::unsupported, "export: KV format {}: context files do not record the positions of keys stored "
+         "before RoPE yet; export a keys=post format", m.format.to_string());
   const std::size_t n = m.blocks.size();
   const Sections sec = sections_for(m.tokens.size(), m.text.size(), m.segments.size(), n);
 

@@ -16,7 +16,8 @@
 namespace qkvshare {
 namespace {
 
-const char* const kFormats[] = {"dense", "f32", "f16", "int8", "int4", "int3", "int2", "k8v4:rot=kv", "int4:window=16"};
+const char* const kFormats[] = {"dense", "f32", "f16", "int8", "int4", "int3", "int2", "k8v4:rot=kv", "int4:window=16",
+                                "k8v4:keys=pre"};
 
 class BatchTest : public ::testing::Test {
  protected:

@@ -99,8 +99,11 @@ TEST(KvCodebook, FileRoundTripsAndBadFilesAreNamed) {
   magic[0] = 'X';
   expect_load_error(write_bytes("magic.kvc", magic), "bad magic");
   std::string newer = good;
-  newer[8] = 2;
-  expect_load_error(write_bytes("newer.kvc", newer), "version 2");
+  newer[8] = 3;
+  expect_load_error(write_bytes("newer.kvc", newer), "version 3");
+  std::string flags = good;
+  flags[8 + 56] = 2;  // a flag this build does not know
+  expect_load_error(write_bytes("flags.kvc", flags), "unknown flags 0x2");
   std::string sub = good;
   sub[8 + 16] = 5;  // sub-vectors of 5 channels
   expect_load_error(write_bytes("sub.kvc", sub), "sub-vectors of 5");
@@ -149,6 +152,40 @@ TEST(KvCodebook, FormatsNameTheirBookAndRefuseMismatches) {
     EXPECT_NE(std::string(e.what()).find("2-channel sub-vectors"), std::string::npos) << e.what();
   }
   EXPECT_THROW(f.validate(KvShape{3, 4, 2, 16}, 32), Error);  // another model's shape
+}
+
+// A codebook says whether its keys were learned before RoPE (file version 2);
+// a format must store keys the same way to use it for keys. Version 1 files
+// (keys after RoPE) still load.
+TEST(KvCodebook, KeysBeforeRopeMustMatchTheFormat) {
+  const KvShape shape{2, 4, 2, 16};
+  KvCodebook::Header h = header(2, 2, 16, 4);
+  h.pre_rope_keys = true;
+  CodebookTraining how;
+  how.iterations = 2;
+  const std::string pre = testing::temp_dir() + "/pre.kvc", post = testing::temp_dir() + "/post.kvc";
+  train_codebook(h, rows(2, 300, 32, 1), rows(2, 300, 32, 2), 300, how).save(pre);
+  trained(4).save(post);
+  EXPECT_TRUE(KvCodebook::load(pre).header().pre_rope_keys);
+  EXPECT_NO_THROW(KvFormat::parse("pq2:keys=pre:book=" + pre).validate(shape, 32));
+  EXPECT_NO_THROW(KvFormat::parse("k4vpq2:book=" + pre).validate(shape, 32));  // its keys are not pq
+  const auto refused = [&](const std::string& text, const std::string& what) {
+    try {
+      KvFormat::parse(text).validate(shape, 32);
+      FAIL() << text << " validated";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused("pq2:book=" + pre, "learned on keys before RoPE; the format stores them after (keys=pre here");
+  refused("pq2:keys=pre:book=" + post, "learned on keys after RoPE; the format stores them before");
+  // The same tables in a version 1 file: no flags word, keys after RoPE.
+  std::string v1 = read_bytes(post);
+  v1.erase(8 + 56, 4);
+  v1[8] = 1;
+  const KvCodebook old = KvCodebook::load(write_bytes("v1.kvc", v1));
+  EXPECT_FALSE(old.header().pre_rope_keys);
+  EXPECT_EQ(0, std::memcmp(old.table(0, 1, 1), KvCodebook::load(post).table(0, 1, 1), sizeof(float) * 4 * C));
 }
 
 TEST(KvPq, EncoderStoresTheNearestCentroid) {

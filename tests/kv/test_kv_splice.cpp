@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "kv_test_util.hpp"
@@ -17,7 +18,8 @@ namespace qkvshare {
 namespace {
 
 const char* const kFormats[] = {"f32", "f16", "int8", "int8:kaxis=token", "k8v4", "int4", "int3", "int2",
-                                "int2:window=20:sink=3", "int4:rot=kv", "int3:rot=k", "k4v2:vgroup=8"};
+                                "int2:window=20:sink=3", "int4:rot=kv", "int3:rot=k", "k4v2:vgroup=8",
+                                "f32:keys=pre", "int4:keys=pre", "int2:window=20:sink=3:keys=pre:rot=v"};
 
 // Raw (pre-RoPE) rows of one token stream, every layer.
 struct Stream {
@@ -39,7 +41,8 @@ KvRope make_rope(int head_dim, kernels::RopeStyle style) {
 }
 
 // Writes tokens [first, first + n) of a stream with keys and queries rotated
-// at positions pos0.. ; returns the attention outputs (every layer).
+// at positions pos0.. (keys as projected for a cache that stores them before
+// RoPE, as the engine does); returns the attention outputs (every layer).
 std::vector<float> write_pass(KvCache& cache, const Stream& st, int first, int n, int pos0, const KvRope& rope,
                               ThreadPool& pool, std::vector<std::vector<float>>* queries = nullptr) {
   const KvShape& s = st.s;
@@ -51,8 +54,9 @@ std::vector<float> write_pass(KvCache& cache, const Stream& st, int first, int n
     std::vector<float> k(k0, k0 + static_cast<std::ptrdiff_t>(n) * s.kv_dim()), v(v0, v0 + k.size()),
         q(q0, q0 + static_cast<std::ptrdiff_t>(n) * s.q_dim());
     for (int t = 0; t < n; ++t) {
-      kernels::rope(&k[static_cast<std::size_t>(t) * s.kv_dim()], s.n_kv_heads, s.head_dim, static_cast<float>(pos0 + t),
-                    rope.inv_freq.data(), rope.style);
+      if (!cache.keys_before_rope())
+        kernels::rope(&k[static_cast<std::size_t>(t) * s.kv_dim()], s.n_kv_heads, s.head_dim, static_cast<float>(pos0 + t),
+                      rope.inv_freq.data(), rope.style);
       kernels::rope(&q[static_cast<std::size_t>(t) * s.q_dim()], s.n_heads, s.head_dim, static_cast<float>(pos0 + t),
                     rope.inv_freq.data(), rope.style);
     }
@@ -61,6 +65,7 @@ std::vector<float> write_pass(KvCache& cache, const Stream& st, int first, int n
     p.q.push_back(std::move(q));
   }
   if (queries != nullptr) *queries = p.q;
+  if (cache.keys_before_rope()) cache.set_rope(rope);
   return testing::run_pass(cache, p, n, pool);
 }
 
@@ -201,7 +206,8 @@ TEST(KvSplice, ChainsTailsAndReleasesEveryBlock) {
   ThreadPool threads(2);
   const KvShape s{1, 4, 2, 16};
   const KvRope rope = make_rope(16, kernels::RopeStyle::neox);
-  const KvFormat f = KvFormat::parse("int4");
+  for (const char* text : {"int4", "int4:keys=pre"}) {
+  const KvFormat f = KvFormat::parse(text);
   auto pool = KvPool::create(PoolConfig{s, 8, KvPool::arena_bytes_for(s, 8, f, 200, 8)});
   const Stream st = make_stream(s, 120, 3);
   {
@@ -227,10 +233,59 @@ TEST(KvSplice, ChainsTailsAndReleasesEveryBlock) {
     // [33, 45) <- tail tokens at positions 24.. at +9.
     const auto offset_of = [](int i) { return i < 5 ? 0 : i < 10 ? 3 : i < 27 ? 0 : i < 33 ? 3 : i < 45 ? 9 : 0; };
     const auto ref = reference(r, queries, size0, 3, offset_of, rope);
-    EXPECT_LE(max_abs_diff(got, ref), testing::attention_tolerance(f));
+    EXPECT_LE(max_abs_diff(got, ref), testing::attention_tolerance(f)) << text;
     EXPECT_GT(pool->counters().blocks_used, 0u);
   }
   EXPECT_EQ(pool->counters().blocks_used, 0u);
+  }
+}
+
+// keys=pre stores keys as projected and rotates each row to the position it
+// was computed at when it is read: in f32 the keys read back and the
+// attention are the post-RoPE ones, on every path and with the pass's own
+// copies; per-channel int4 codes keep a channel's constant part in its
+// minimum before RoPE, where after RoPE it is a sinusoid over the positions
+// that widens every channel's range (KVQuant's reason for pre-RoPE keys).
+TEST(KvSplice, PreRopeKeysAttendAsTheirRotatedSelves) {
+  ThreadPool threads(2);
+  const KvShape s{2, 6, 3, 16};
+  for (const auto style : {kernels::RopeStyle::interleaved, kernels::RopeStyle::neox})
+    for (const AttendPath path : every_path()) {
+      const KvRope rope = make_rope(s.head_dim, style);
+      auto pool = KvPool::create(PoolConfig{s, 8, 1 << 23});
+      Stream st = make_stream(s, 120, 5);
+      for (auto& k : st.k)  // channels with a constant part, as real keys have: RoPE turns it into a sinusoid
+        for (std::size_t i = 0; i < k.size(); ++i) k[i] += 3.0f * std::sin(static_cast<float>(i % 16));
+      PooledKvCache post(pool, KvFormat::parse("f32"), 256), pre(pool, KvFormat::parse("f32:keys=pre"), 256);
+      PooledKvCache q4post(pool, KvFormat::parse("int4"), 256), q4pre(pool, KvFormat::parse("int4:keys=pre"), 256);
+      for (PooledKvCache* c : {&post, &pre, &q4post, &q4pre}) c->set_attend_path(path);
+      int first = 0;
+      for (int n : {5, 20, 1, 1, 40, 1, 9}) {
+        const auto a = write_pass(post, st, first, n, first, rope, threads);
+        const auto b = write_pass(pre, st, first, n, first, rope, threads);
+        ASSERT_LE(max_abs_diff(a, b), 1e-6f) << "path " << static_cast<int>(path) << " n=" << n;
+        write_pass(q4post, st, first, n, first, rope, threads);
+        write_pass(q4pre, st, first, n, first, rope, threads);
+        first += n;
+      }
+      std::vector<float> ka(static_cast<std::size_t>(first) * s.head_dim), kb(ka.size());
+      post.read_rows(1, 0, 2, 0, first, ka.data());
+      pre.read_rows(1, 0, 2, 0, first, kb.data());
+      EXPECT_EQ(0, std::memcmp(ka.data(), kb.data(), ka.size() * sizeof(float)));
+      std::vector<float> kc(ka.size()), kd(ka.size());
+      q4post.read_rows(1, 0, 2, 0, first, kc.data());
+      q4pre.read_rows(1, 0, 2, 0, first, kd.data());
+      double err_post = 0, err_pre = 0;
+      for (std::size_t i = 0; i < ka.size(); ++i) {
+        err_post += (kc[i] - ka[i]) * (kc[i] - ka[i]);
+        err_pre += (kd[i] - ka[i]) * (kd[i] - ka[i]);
+      }
+      EXPECT_LT(err_pre, 0.8 * err_post) << "path " << static_cast<int>(path);
+      for (const BlockRef b : pre.segments()[0].blocks) EXPECT_EQ(pool->info(b).flags, kBlockPreRopeK);
+      EXPECT_EQ(pool->info(pre.segments()[0].blocks[3]).key_position, 24);
+      // Keys before and after RoPE do not mix in one context.
+      EXPECT_THROW(post.splice(pre, 0, 10, rope), Error);
+    }
 }
 
 TEST(KvSplice, BadSplicesAreRefused) {

@@ -12,6 +12,8 @@
 
 namespace qkvshare {
 
+struct KvRope;  // pooled_kv_cache.hpp
+
 // The attention of one cache and layer for a pass, cut into independent jobs
 // but not run: a batched forward pass collects the work of every session and
 // runs all jobs in one ThreadPool::parallel_for (run_attend_works), so a
@@ -57,7 +59,8 @@ class KvCache {
   virtual int next_position() const noexcept { return size(); }
 
   // Stores keys and values of `n` new tokens for one layer, at token indices
-  // [size(), size() + n). k and v are [n][kv_dim], keys already rotated.
+  // [size(), size() + n). k and v are [n][kv_dim], keys already rotated
+  // (RoPE) unless keys_before_rope().
   // Throws Error(context_full / out_of_memory) if they do not fit.
   virtual void write(int layer, int n, const float* k, const float* v) = 0;
 
@@ -72,6 +75,12 @@ class KvCache {
 
   // Makes the `n` tokens written to every layer part of the cache.
   virtual void commit(int n) = 0;
+
+  // Whether write() takes keys before RoPE (a cache that applies RoPE when it
+  // reads them: KvFormat::pre_rope_k); the engine then gives it the model's
+  // frequencies with set_rope() before each pass.
+  virtual bool keys_before_rope() const noexcept { return false; }
+  virtual void set_rope(const KvRope&) {}
 };
 
 }  // namespace qkvshare

@@ -7,11 +7,12 @@
 // 8 / sub bits per element, nothing else (no scales); the codebook is a fixed
 // cost per model, not per context.
 //
-// File (.kvc), little-endian: the 8-byte magic "QKVSPQCB", u32 version (1),
-// u32 n_layers, n_kv_heads, head_dim, sub, centroids, calibration tokens,
-// seed; 16 bytes of the model's fingerprint (share/fingerprint.hpp: a
-// codebook is only valid for the model it was learned on); u64 XXH3-64 of the
-// payload; then the payload: K tables, then V tables, each
+// File (.kvc), little-endian: the 8-byte magic "QKVSPQCB", u32 version (2;
+// 1 is read too), u32 n_layers, n_kv_heads, head_dim, sub, centroids,
+// calibration tokens, seed; 16 bytes of the model's fingerprint
+// (share/fingerprint.hpp: a codebook is only valid for the model it was
+// learned on); u64 XXH3-64 of the payload; from version 2 a u32 of flags
+// (bit 0: the keys were learned before RoPE, for keys=pre formats); then the payload: K tables, then V tables, each
 // [layer][kv head][sub-space][centroid][sub] f32.
 #include <array>
 #include <cstdint>
@@ -27,12 +28,13 @@ namespace qkvshare {
 class KvCodebook {
  public:
   static constexpr int kCentroids = 256;  // one byte per index
-  static constexpr std::uint32_t kVersion = 1;
+  static constexpr std::uint32_t kVersion = 2;
 
   struct Header {
     int n_layers = 0, n_kv_heads = 0, head_dim = 0, sub = 0;
     int calibration_tokens = 0;
     std::uint32_t seed = 0;
+    bool pre_rope_keys = false;  // learned on keys before RoPE (KvFormat::pre_rope_k)
     std::array<std::uint8_t, 16> model{};  // ModelFingerprint::model
 
     // The header of a codebook for a model of KV shape `s`.
@@ -96,7 +98,8 @@ class KvCodebook {
 
 // Learns a codebook by k-means (Lloyd iterations from centroids drawn from the
 // rows, deterministic for a seed) on calibration rows: keys and values
-// [layer][token][kv_dim] f32, as the pool would store them (after RoPE).
+// [layer][token][kv_dim] f32, as the pool would store them (keys after RoPE, or
+// before it for a keys=pre codebook: Header::pre_rope_keys).
 struct CodebookTraining {
   int iterations = 12;
   std::uint32_t seed = 1;

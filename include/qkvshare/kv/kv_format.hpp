@@ -95,6 +95,11 @@ struct KvFormat {
   int sink = 0;    // the first `sink` tokens stay hot (whole blocks)
   bool rotate_k = false;
   bool rotate_v = false;
+  // Keys stored as the projection computed them, before RoPE (KVQuant's
+  // pre-RoPE keys: their channels keep one scale over the positions, so codes
+  // and codebooks fit them better); attention applies RoPE at each row's
+  // computed position (BlockInfo::key_position) when it reads a tile.
+  bool pre_rope_k = false;
   // Importance-aware mixed precision (PooledKvCache::demote, when a context is
   // sealed or handed off): of the cold blocks, the `top` share that received
   // the most attention keeps k/v; the others are recoded to lo_k/lo_v.
@@ -138,7 +143,7 @@ struct KvFormat {
   // (X, Y in 32, 16, 8, 4, 3, 2, pq4, pq2, pq1), book=FILE (a codebook of
   // `qkvshare calibrate`, required by pq; FILE holds no ':'), and
   // options window=N, sink=N (tokens), kaxis=channel|token, kgroup=N,
-  // vgroup=N, rot=none|k|v|kv, and lo=NAME:top=F (mixed precision: NAME an
+  // vgroup=N, rot=none|k|v|kv, keys=post|pre (pre: keys stored before RoPE), and lo=NAME:top=F (mixed precision: NAME an
   // integer name as above, 0 < F < 1; vgroup applies to both precisions),
   // budget=F (token dropping, 0 < F < 1), rank=attention|recent (how both
   // choose their blocks), positions=keep|close (where kept blocks sit).

@@ -10,7 +10,7 @@
 //
 //   [PoolHeader, 4 KiB: magic, version, geometry, free-list heads, counters, lock area]
 //   [BlockHeader x n_blocks: refcount (atomic), generation (atomic), K/V codec,
-//    flags, fill, page count, free link, page indices]
+//    flags, fill, page count, free link, key position, page indices]
 //   [page free links: u32 x n_pages]
 //   [pages: n_pages x page_bytes]
 //
@@ -40,6 +40,9 @@ struct BlockRef {
 // Block flag bits.
 inline constexpr std::uint32_t kBlockRotatedK = 1u;
 inline constexpr std::uint32_t kBlockRotatedV = 2u;
+// Keys stored before RoPE (KvFormat::pre_rope_k): row r was computed at
+// position BlockInfo::key_position + r.
+inline constexpr std::uint32_t kBlockPreRopeK = 4u;
 
 // Told about every block reference this process takes or drops through a
 // pool (allocate/retain/try_retain, release), so that a shared pool can give
@@ -72,11 +75,12 @@ struct BlockInfo {
   std::uint32_t flags = 0;
   std::uint32_t fill = 0;
   std::uint32_t refcount = 0;
+  int key_position = 0;  // the position row 0 was computed at (kept by copies of the block)
 };
 
 class KvPool {
  public:
-  static constexpr std::uint32_t kVersion = 1;
+  static constexpr std::uint32_t kVersion = 2;  // 2: block headers carry key_position
   static constexpr std::size_t kLockAreaBytes = 256;
 
   // Formats `arena` as an empty pool. Throws Error(invalid_argument) when the
@@ -103,7 +107,7 @@ class KvPool {
 
   // A block with refcount 1 and fill 0. Throws Error(out_of_memory) when the
   // pool lacks the pages or a free block header; nothing changes then.
-  BlockRef allocate(const KvCodec& k, const KvCodec& v, std::uint32_t flags);
+  BlockRef allocate(const KvCodec& k, const KvCodec& v, std::uint32_t flags, int key_position = 0);
   void retain(BlockRef ref);
   // Takes a reference only if `ref` still names a live block (index in range,
   // same generation, refcount > 0); false otherwise.

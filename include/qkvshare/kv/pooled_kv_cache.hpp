@@ -116,7 +116,8 @@ class PooledKvCache final : public KvCache {
   // [tail_begin(), size()): what a spliced context hands on (share/seal).
   std::unique_ptr<PooledKvCache> tail_context() const;
   int tail_begin() const noexcept { return base_; }
-  void set_rope(const KvRope& rope) { rope_ = rope; }
+  void set_rope(const KvRope& rope) override;
+  bool keys_before_rope() const noexcept override { return format_.pre_rope_k; }
 
   // Decoded rows (f32, [count][head_dim], Hadamard-rotated as stored when the
   // format rotates) of one layer, kind (0 K, 1 V) and KV head for the
@@ -182,6 +183,10 @@ class PooledKvCache final : public KvCache {
   int base_ = 0;  // tokens before the last (writable) segment
   int position_gap_ = 0;
   KvRope rope_;
+  // keys=pre: cos and sin of every position up to the largest one read,
+  // [position][cos head_dim/2, sin head_dim/2] (kernels::rope_angles, as the engine's RoPE).
+  mutable std::vector<float> rope_table_;
+  const float* rope_table(int end_position) const;
   std::unique_ptr<Step> step_;
   AttendPath path_ = AttendPath::automatic;
   PassPrecision pass_precision_ = default_pass_precision();
