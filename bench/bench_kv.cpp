@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -51,6 +52,12 @@ Timing run(const KvShape& s, const KvFormat& f, int depth, int steps, AttendPath
   auto pool = KvPool::create(PoolConfig{s, 32, KvPool::arena_bytes_for(s, 32, f, depth + steps)});
   PooledKvCache cache(pool, f, depth + steps);
   cache.set_attend_path(path);
+  if (cache.keys_before_rope()) {  // keys=pre: RoPE is applied to every key row read (what it costs is measured here)
+    KvRope rope;
+    for (int i = 0; i < s.head_dim / 2; ++i)
+      rope.inv_freq.push_back(static_cast<float>(std::pow(10000.0, -2.0 * i / s.head_dim)));
+    cache.set_rope(rope);
+  }
   const int chunk = 256;
   const auto k = noise(static_cast<std::size_t>(chunk) * s.kv_dim(), 1), v = noise(k.size(), 2);
   const auto q = noise(static_cast<std::size_t>(chunk) * s.q_dim(), 3);

@@ -150,6 +150,30 @@ void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, 
   }
 }
 
+// kv_tiles.hpp's TileRopeFn. Neox needs head_dim / 2 to be a multiple of N.
+template <class V>
+void tile_rope(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style) {
+  using F = typename V::F;
+  const int half = head_dim / 2;
+  for (int r = 0; r < n_rows; ++r) {
+    float* x = rows + static_cast<std::ptrdiff_t>(r) * head_dim;
+    const float* C = table + static_cast<std::ptrdiff_t>(r) * 2 * head_dim;
+    const float* S = C + head_dim;
+    if (style == RopeStyle::neox) {
+      for (int c = 0; c < half; c += V::N) {
+        const F a = V::loadu(x + c), b = V::loadu(x + half + c);
+        V::storeu(x + c, V::fmadd(a, V::loadu(C + c), V::mul(b, V::loadu(S + c))));
+        V::storeu(x + half + c, V::fmadd(b, V::loadu(C + half + c), V::mul(a, V::loadu(S + half + c))));
+      }
+    } else {
+      for (int c = 0; c < head_dim; c += V::N) {
+        const F a = V::loadu(x + c);
+        V::storeu(x + c, V::fmadd(a, V::loadu(C + c), V::mul(V::swap_pairs(a), V::loadu(S + c))));
+      }
+    }
+  }
+}
+
 // The partial last vector goes through a buffer padded with -inf (exp gives 0).
 template <class V>
 float tile_exp_sum(float* x, int n, float max) {
@@ -189,4 +213,8 @@ float tile_exp_sum(float* x, int n, float max) {
   void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, int head_dim) {          \
     detail::tile_weighted_sum<Vec>(o, p, rows, n_rows, head_dim);                                         \
   }                                                                                                       \
-  float tile_exp_sum(float* x, int n, float max) { return detail::tile_exp_sum<Vec>(x, n, max); }
+  float tile_exp_sum(float* x, int n, float max) { return detail::tile_exp_sum<Vec>(x, n, max); }            \
+  void tile_rope(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style) {             \
+    if ((head_dim / 2) % Vec::N != 0) return rope_rows_ref(rows, n_rows, head_dim, table, style);         \
+    detail::tile_rope<Vec>(rows, n_rows, head_dim, table, style);                                         \
+  }

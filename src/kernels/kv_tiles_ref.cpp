@@ -10,6 +10,7 @@
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/half.hpp"
 #include "qkvshare/kernels/kv_tiles.hpp"
+#include "qkvshare/kernels/ops.hpp"
 #include "pq_rows.hpp"
 
 namespace qkvshare::kernels {
@@ -72,6 +73,36 @@ void weighted_sum_ref(float* o, const float* p, const float* rows, int n_rows, i
   for (int j = 0; j < n_rows; ++j) {
     const float* v = rows + static_cast<std::ptrdiff_t>(j) * head_dim;
     for (int c = 0; c < head_dim; ++c) o[c] += p[j] * v[c];
+  }
+}
+
+void rope_table_row(float pos, const float* inv_freq, int head_dim, RopeStyle style, float* row) {
+  const int half = head_dim / 2;
+  float* C = row;
+  float* S = row + head_dim;
+  std::vector<float> cs(static_cast<std::size_t>(head_dim));
+  rope_angles(pos, inv_freq, head_dim, cs.data(), cs.data() + half);
+  for (int i = 0; i < half; ++i) {
+    const int a = style == RopeStyle::interleaved ? 2 * i : i;
+    const int b = style == RopeStyle::interleaved ? 2 * i + 1 : i + half;
+    C[a] = C[b] = cs[static_cast<std::size_t>(i)];
+    S[a] = -cs[static_cast<std::size_t>(half + i)];
+    S[b] = cs[static_cast<std::size_t>(half + i)];
+  }
+}
+
+void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style) {
+  const int half = head_dim / 2;
+  std::vector<float> x(static_cast<std::size_t>(head_dim));
+  for (int r = 0; r < n_rows; ++r) {
+    float* row = rows + static_cast<std::ptrdiff_t>(r) * head_dim;
+    const float* C = table + static_cast<std::ptrdiff_t>(r) * 2 * head_dim;
+    const float* S = C + head_dim;
+    std::copy(row, row + head_dim, x.begin());
+    for (int c = 0; c < head_dim; ++c) {
+      const int p = style == RopeStyle::interleaved ? c ^ 1 : (c + half) % head_dim;
+      row[c] = std::fma(x[static_cast<std::size_t>(c)], C[c], x[static_cast<std::size_t>(p)] * S[c]);
+    }
   }
 }
 

@@ -41,6 +41,7 @@ struct Vec {
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F swap_pairs(F a) { return _mm512_permute_ps(a, 0xB1); }  // lanes (0 1)(2 3)... exchanged
   static F min(F a, F b) { return _mm512_min_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -95,6 +96,7 @@ struct Vec {
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F swap_pairs(F a) { return _mm256_permute_ps(a, 0xB1); }
   static F min(F a, F b) { return _mm256_min_ps(a, b); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
   static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -149,6 +151,7 @@ struct Vec {
   static F sub(F a, F b) { return vsubq_f32(a, b); }
   static F mul(F a, F b) { return vmulq_f32(a, b); }
   static F fmadd(F a, F b, F c) { return vfmaq_f32(c, a, b); }
+  static F swap_pairs(F a) { return vrev64q_f32(a); }
   static F min(F a, F b) { return vminq_f32(a, b); }
   static F max(F a, F b) { return vmaxq_f32(a, b); }
   static F round(F x) { return vrndnq_f32(x); }

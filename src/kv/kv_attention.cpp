@@ -167,10 +167,9 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     if (in.k_positions) {  // stored before RoPE: rotated to the positions they were computed at
       if (k != tile.data()) std::memcpy(tile.data(), k, sizeof(float) * static_cast<std::size_t>(rows) * D);
       const int hi = hi_of(b);
-      for (int r = lo; r < hi; ++r) {
-        const float* cs = in.rope_table + static_cast<std::ptrdiff_t>(in.k_positions[b] + r) * D;
-        kernels::rope_rotate(&tile[static_cast<std::size_t>(r) * D], 1, D, cs, cs + D / 2, in.rope_style);
-      }
+      if (hi > lo)
+        ops.rope(&tile[static_cast<std::size_t>(lo) * D], hi - lo, D,
+                 in.rope_table + static_cast<std::ptrdiff_t>(in.k_positions[b] + lo) * 2 * D, in.rope_style);
       k = tile.data();
     }
     for (int i = 0; i < nq; ++i) {

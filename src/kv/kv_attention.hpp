@@ -31,8 +31,8 @@ struct AttendInput {
   const KvCodebook* book = nullptr;
   int layer = 0;
   // Keys stored before RoPE (KvFormat::pre_rope_k): row r of block b was
-  // computed at position k_positions[b] + r, and is rotated there when read,
-  // with the cos and sin of rope_table ([position][cos head_dim/2, sin head_dim/2]).
+  // computed at position k_positions[b] + r, and is rotated there when read
+  // by rope_table ([position][2 * head_dim], kernels::rope_table_row).
   const int* k_positions = nullptr;
   const float* rope_table = nullptr;
   RopeStyle rope_style = RopeStyle::interleaved;

@@ -8,6 +8,7 @@
 
 #include "kv_attention.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 
 namespace qkvshare {
@@ -216,13 +217,12 @@ const float* PooledKvCache::rope_table(int end_position) const {
   if (static_cast<int>(rope_.inv_freq.size()) * 2 != D)
     fail(ErrorCode::invalid_argument, "KV format {}: keys stored before RoPE need the model's RoPE frequencies "
          "(set_rope; the engine gives them before each pass)", format_.to_string());
-  const int have = static_cast<int>(rope_table_.size() / static_cast<std::size_t>(D));
+  const std::size_t per = 2 * static_cast<std::size_t>(D);
+  const int have = static_cast<int>(rope_table_.size() / per);
   if (end_position > have) {
-    rope_table_.resize(static_cast<std::size_t>(end_position) * static_cast<std::size_t>(D));
-    for (int p = have; p < end_position; ++p) {
-      float* row = &rope_table_[static_cast<std::size_t>(p) * static_cast<std::size_t>(D)];
-      kernels::rope_angles(static_cast<float>(p), rope_.inv_freq.data(), D, row, row + D / 2);
-    }
+    rope_table_.resize(static_cast<std::size_t>(end_position) * per);
+    for (int p = have; p < end_position; ++p)
+      kernels::rope_table_row(static_cast<float>(p), rope_.inv_freq.data(), D, rope_.style, &rope_table_[p * per]);
   }
   return rope_table_.data();
 }

@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "qkvshare/core/error.hpp"
-#include "qkvshare/kernels/ops.hpp"
+#include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
@@ -90,9 +90,8 @@ void PooledKvCache::read_rows(int layer, int kind, int kv_head, int first, int c
                              kv::codebook_slice(format_, c, kind, layer, kv_head));
       if (kind == 0 && (info.flags & kBlockPreRopeK) != 0) {  // the keys as attention reads them
         const float* table = rope_table(info.key_position + T);
-        for (int j = r; j < r + take; ++j)
-          kernels::rope_rotate(&tile[static_cast<std::size_t>(j) * D], 1, D, table + (info.key_position + j) * D,
-                               table + (info.key_position + j) * D + D / 2, rope_.style);
+        kernels::tile_kernels().rope(&tile[static_cast<std::size_t>(r) * D], take, D,
+                                     table + static_cast<std::ptrdiff_t>(info.key_position + r) * 2 * D, rope_.style);
       }
       std::memcpy(out + static_cast<std::ptrdiff_t>(i - first) * D, &tile[static_cast<std::size_t>(r) * D],
                   sizeof(float) * static_cast<std::size_t>(take) * static_cast<std::size_t>(D));

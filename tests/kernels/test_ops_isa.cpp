@@ -2,9 +2,11 @@
 // and RoPE's split form against the plain formula, bit for bit.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <limits>
 
 #include "kernel_test_util.hpp"
+#include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kernels/ops.hpp"
 
 namespace qkvshare::kernels::testing {
@@ -56,6 +58,44 @@ TEST(OpsIsa, RopeEqualsThePerHeadFormulaExactly) {
           }
         rope(got.data(), heads, hd, pos, inv.data(), style);
         EXPECT_EQ(got, expect) << "head_dim " << hd << " pos " << pos;
+      }
+    }
+}
+
+// The RoPE of stored key rows (keys=pre): every level gives the reference's
+// bits (one fused multiply-add per element), on random rows and on rows of
+// zeros, huge and tiny values, for head sizes whose half is and is not a
+// multiple of a level's width; and the reference is the engine's RoPE to
+// rounding (the same angles; 2 roundings against 3).
+TEST(OpsIsa, KeyRowRopeMatchesTheReferenceOnEveryLevel) {
+  std::mt19937 rng(31);
+  for (RopeStyle style : {RopeStyle::interleaved, RopeStyle::neox})
+    for (int hd : {8, 16, 24, 32, 64, 128}) {
+      std::vector<float> inv(static_cast<std::size_t>(hd / 2));
+      for (int i = 0; i < hd / 2; ++i) inv[i] = std::pow(10000.0f, -2.0f * static_cast<float>(i) / static_cast<float>(hd));
+      const int rows = 33, pos0 = 4000;
+      std::vector<float> table(static_cast<std::size_t>(rows) * 2 * hd);
+      for (int r = 0; r < rows; ++r)
+        rope_table_row(static_cast<float>(pos0 + r), inv.data(), hd, style, &table[static_cast<std::size_t>(r) * 2 * hd]);
+      auto x = normal(static_cast<std::size_t>(rows * hd), 3.0f, rng);
+      for (int c = 0; c < hd; ++c) {
+        x[static_cast<std::size_t>(c)] = 0.0f;                 // row 0: zeros
+        x[static_cast<std::size_t>(hd + c)] = c % 2 ? 3e38f : -1e-38f;  // row 1: near the ends of the range
+      }
+      std::vector<float> ref = x;
+      rope_rows_ref(ref.data(), rows, hd, table.data(), style);
+      for (int r = 2; r < rows; ++r) {  // the engine's RoPE of the same row
+        std::vector<float> e(x.begin() + r * hd, x.begin() + (r + 1) * hd);
+        rope(e.data(), 1, hd, static_cast<float>(pos0 + r), inv.data(), style);
+        for (int c = 0; c < hd; ++c)
+          ASSERT_NEAR(ref[static_cast<std::size_t>(r * hd + c)], e[static_cast<std::size_t>(c)], 1e-5f) << hd << " row " << r;
+      }
+      for (Isa isa : available_isas()) {
+        std::vector<float> got = x;
+        tile_kernels(isa).rope(got.data(), rows, hd, table.data(), style);
+        for (std::size_t i = 0; i < got.size(); ++i)
+          ASSERT_EQ(std::memcmp(&got[i], &ref[i], sizeof(float)), 0)
+              << isa_name(isa) << " head_dim " << hd << " at " << i << ": " << got[i] << " vs " << ref[i];
       }
     }
 }

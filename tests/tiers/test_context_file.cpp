@@ -82,6 +82,24 @@ class ContextFile : public ::testing::Test {
   std::vector<TokenId> prompt_, more_;
 };
 
+// A context file does not record where keys stored before RoPE were computed
+// (their block headers do): exporting one fails, naming why, and the context stays.
+TEST_F(ContextFile, KeysBeforeRopeAreRefusedWithTheReason) {
+  std::unique_ptr<Session> producer;
+  const Descriptor d = produce("int4:keys=pre", producer);
+  try {
+    export_bytes(d, nullptr);
+    ADD_FAILURE() << "exported a keys=pre context";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("export a keys=post format"), std::string::npos) << e.what();
+  }
+  HandoffResult r = open_session(*a_, *engine_, fp_, d, "B", {HandoffMode::kv});
+  EXPECT_TRUE(r.kv);
+  r.session.reset();
+  a_->release(d, "B");
+}
+
 TEST_F(ContextFile, ImportedContextContinuesBitIdenticallyInAnotherPoolForEveryFormat) {
   const KeyCipher key = test_key(1);
   for (const char* format : {"f32", "f16", "int8", "int4", "int3", "k8v4", "int2:window=32:sink=4", "int4:rot=kv"}) {

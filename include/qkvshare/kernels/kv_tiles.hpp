@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "qkvshare/kernels/isa.hpp"
+#include "qkvshare/tensor/tensor.hpp"  // RopeStyle
 
 namespace qkvshare::kernels {
 
@@ -95,6 +96,17 @@ inline bool codes_values_ok(const TileCodes& t) noexcept {
          t.head_dim % 16 == 0;
 }
 
+// RoPE of decoded key rows stored before it (KvFormat keys=pre): row r
+// becomes x * C + partner(x) * S with table row r = [C: head_dim][S: head_dim]
+// (rope_table_row) and partner(x)[c] = x[c ^ 1] (interleaved pairs) or
+// x[(c + head_dim / 2) % head_dim] (neox halves); one fused multiply-add per
+// element, so every level gives the reference's bits.
+using TileRopeFn = void (*)(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style);
+// The table row of position `pos` for TileRopeFn: C = cos of each channel's
+// pair angle, S = -sin for the first of a pair and +sin for the second
+// (kernels::rope_angles: the engine's own angles).
+void rope_table_row(float pos, const float* inv_freq, int head_dim, RopeStyle style, float* row);
+
 struct TileKernels {
   TileDecodeFn decode = nullptr;
   TileScoresFn scores = nullptr;
@@ -103,6 +115,7 @@ struct TileKernels {
   TileQueryCodesFn query_codes = nullptr;
   TileCodeScoresFn code_scores = nullptr;
   TileCodeSumFn code_sum = nullptr;
+  TileRopeFn rope = nullptr;
 };
 
 // The kernels of one level (throws Error(invalid_argument) where it is not
@@ -121,5 +134,6 @@ void code_scores_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, 
                      int nq, float* s, std::size_t s_stride);
 void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
                   int nq, float* o);
+void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style);
 
 }  // namespace qkvshare::kernels

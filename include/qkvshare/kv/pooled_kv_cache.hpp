@@ -183,8 +183,8 @@ class PooledKvCache final : public KvCache {
   int base_ = 0;  // tokens before the last (writable) segment
   int position_gap_ = 0;
   KvRope rope_;
-  // keys=pre: cos and sin of every position up to the largest one read,
-  // [position][cos head_dim/2, sin head_dim/2] (kernels::rope_angles, as the engine's RoPE).
+  // keys=pre: the RoPE of every position up to the largest one read,
+  // [position][2 * head_dim] (kernels::rope_table_row: the engine's angles).
   mutable std::vector<float> rope_table_;
   const float* rope_table(int end_position) const;
   std::unique_ptr<Step> step_;
