@@ -17,7 +17,10 @@ namespace {
 
 constexpr char kMagic[8] = {'Q', 'K', 'V', 'C', 'T', 'X', '\0', '\0'};
 constexpr std::uint32_t kFlagEncrypted = 1u;
-constexpr std::size_t kSegmentEntry = 8, kBlockEntry = 32;
+constexpr std::size_t kSegmentEntry = 8, kBlockEntryV1 = 32, kBlockEntry = 40;
+// Keys stored before RoPE: bit 2 of the format flags and of a block's flags alike (kBlockPreRopeK,
+// kv_pool.hpp, which this reader does not depend on).
+constexpr std::uint32_t kFormatPreRopeK = 4u;
 constexpr std::uint32_t kMaxTokens = 1u << 24, kMaxLayers = 1024, kMaxHeads = 1024, kMaxHeadDim = 4096;
 constexpr bool kLittleHost = std::endian::native == std::endian::little;
 
@@ -83,33 +86,36 @@ std::size_t tile_bytes(const KvCodec& c, int block_tokens, int head_dim) {
   return tile_layout(c, block_tokens, head_dim).bytes;
 }
 
-std::uint32_t format_flags(const KvFormat& f) { return (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u); }
+std::uint32_t format_flags(const KvFormat& f) {
+  return (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u) | (f.pre_rope_k ? kFormatPreRopeK : 0u);
+}
 
 // The bytes a block's tag also authenticates: its table entry, so a sealed
 // payload cannot be moved to another block of other codecs or fill. The same
-// block content has the same aad in every context (content addressing).
-std::array<std::uint8_t, 24> block_aad(const ContextBlock& b) {
+// block content has the same aad in every context (content addressing); a
+// block of keys stored before RoPE also names where they were computed.
+std::vector<std::uint8_t> block_aad(const ContextBlock& b) {
   std::vector<std::uint8_t> v;
   put(v, b.k.pack(), 4);
   put(v, b.v.pack(), 4);
   put(v, b.flags, 4);
   put(v, b.fill, 4);
   put(v, b.checksum, 8);
-  std::array<std::uint8_t, 24> out{};
-  std::memcpy(out.data(), v.data(), out.size());
-  return out;
+  if ((b.flags & kFormatPreRopeK) != 0) put(v, static_cast<std::uint32_t>(b.key_position), 4);
+  return v;
 }
 
 struct Sections {
   std::size_t tokens = kContextHeaderBytes, text = 0, segments = 0, blocks = 0, meta_sum = 0, payload = 0;
 };
 
-Sections sections_for(std::size_t tokens, std::size_t text, std::size_t segments, std::size_t blocks) {
+Sections sections_for(std::size_t tokens, std::size_t text, std::size_t segments, std::size_t blocks,
+                      std::size_t block_entry = kBlockEntry) {
   Sections s;
   s.text = s.tokens + 4 * tokens;
   s.segments = round_up(s.text + text, 8);
   s.blocks = s.segments + kSegmentEntry * segments;
-  s.meta_sum = s.blocks + kBlockEntry * blocks;
+  s.meta_sum = s.blocks + block_entry * blocks;
   s.payload = round_up(s.meta_sum + 8, kContextPayloadAlign);
   return s;
 }
@@ -149,9 +155,6 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
   if (m.format.uses_pq())
     fail(ErrorCode::unsupported, "export: KV format {}: context files do not name pq codebooks yet; export an integer "
          "format", m.format.to_string());
-  if (m.format.pre_rope_k)
-    fail(ErrorCode::unsupported, "export: KV format {}: context files do not record the positions of keys stored "
-         "before RoPE yet; export a keys=post format", m.format.to_string());
   const std::size_t n = m.blocks.size();
   const Sections sec = sections_for(m.tokens.size(), m.text.size(), m.segments.size(), n);
 
@@ -213,6 +216,8 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
     put(meta, b.fill, 4);
     put(meta, b.payload_offset, 8);
     put(meta, b.checksum, 8);
+    put(meta, static_cast<std::uint32_t>((b.flags & kFormatPreRopeK) != 0 ? b.key_position : 0), 4);
+    put(meta, 0u, 4);
   }
   put(meta, XXH3_64bits(meta.data(), meta.size()), 8);
   meta.resize(sec.payload - kContextHeaderBytes, 0);
@@ -258,9 +263,11 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
   const std::uint8_t* p = bytes.data();
   if (std::memcmp(p, kMagic, 8) != 0) bad("not a QKVShare context file (magic)");
   const auto version = static_cast<std::uint16_t>(get(p + 8, 2));
-  if (version != kContextFileVersion)
-    fail(ErrorCode::bad_descriptor, "{}: format version {}, this build reads version {}", name_, version,
+  if (version != 1 && version != kContextFileVersion)
+    fail(ErrorCode::bad_descriptor, "{}: format version {}, this build reads versions 1 to {}", name_, version,
          kContextFileVersion);
+  const std::size_t block_entry = version == 1 ? kBlockEntryV1 : kBlockEntry;
+  const std::uint32_t known_fflags = version == 1 ? 3u : 7u;
   if (get(p + 10, 2) != kContextHeaderBytes) bad("header size field is not 128");
   if (XXH3_64bits(p, kContextHeaderBytes - 8) != get64(p + kContextHeaderBytes - 8))
     bad("header checksum does not match (corrupted or edited header)");
@@ -289,12 +296,13 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
     fail(ErrorCode::bad_descriptor, "{}: context format: {}", name_, e.what());
   }
   const std::uint32_t window = get32(p + 68), sink = get32(p + 72), fflags = get32(p + 76);
-  if (window > kMaxTokens || sink > kMaxTokens || fflags > 3)
+  if (window > kMaxTokens || sink > kMaxTokens || fflags > known_fflags || (fflags & 5u) == 5u)
     fail(ErrorCode::bad_descriptor, "{}: window {}, sink {} or format flags {} out of range", name_, window, sink, fflags);
   meta_.format.window = static_cast<int>(window);
   meta_.format.sink = static_cast<int>(sink);
   meta_.format.rotate_k = (fflags & 1u) != 0;
   meta_.format.rotate_v = (fflags & 2u) != 0;
+  meta_.format.pre_rope_k = (fflags & kFormatPreRopeK) != 0;
   const std::uint32_t n_tokens = get32(p + 80), n_text = get32(p + 84), n_seg = get32(p + 88), n_blocks = get32(p + 92);
   if (n_tokens == 0 || n_tokens > kMaxTokens)
     fail(ErrorCode::bad_descriptor, "{}: token count {} is not in [1, 2^24]", name_, n_tokens);
@@ -309,7 +317,7 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
     fail(ErrorCode::bad_descriptor, "{}: {} bytes, the header says {} (truncated or extended)", name_, bytes.size(),
          total);
   if (n_text > bytes.size()) bad("text length runs past the end of the file");
-  const Sections sec = sections_for(n_tokens, n_text, n_seg, n_blocks);
+  const Sections sec = sections_for(n_tokens, n_text, n_seg, n_blocks, block_entry);
   if (sec.payload != payload || payload > total) bad("payload offset does not follow the tables");
 
   const std::uint8_t* meta_begin = p + kContextHeaderBytes;
@@ -335,7 +343,7 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
   const std::size_t overhead = (flags & kFlagEncrypted) != 0 ? kContextSealOverhead : 0;
   std::uint64_t expect = payload;
   for (std::uint32_t i = 0; i < n_blocks; ++i) {
-    const std::uint8_t* e = p + sec.blocks + kBlockEntry * i;
+    const std::uint8_t* e = p + sec.blocks + block_entry * i;
     ContextBlock& b = meta_.blocks[i];
     try {
       b.k = KvCodec::unpack(get32(e));
@@ -355,6 +363,13 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
            b.fill, fflags, want_fill);
     b.payload_offset = get64(e + 16);
     b.checksum = get64(e + 24);
+    if (version >= 2) {
+      const std::uint32_t pos = get32(e + 32);
+      if (get32(e + 36) != 0) fail(ErrorCode::bad_descriptor, "{}: block {}: reserved field is not zero", name_, i);
+      if ((b.flags & kFormatPreRopeK) == 0 ? pos != 0 : pos > kMaxTokens)
+        fail(ErrorCode::bad_descriptor, "{}: block {}: key position {} out of range", name_, i, pos);
+      b.key_position = static_cast<std::int32_t>(pos);
+    }
     if (b.payload_offset != expect)
       fail(ErrorCode::bad_descriptor, "{}: block {} payload at {}, expected {}", name_, i, b.payload_offset, expect);
     const std::size_t stored = block_plain_bytes(meta_.shape, meta_.block_tokens, b.k, b.v) + overhead;

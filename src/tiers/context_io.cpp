@@ -64,6 +64,7 @@ ContextMeta context_meta(const PooledKvCache& cache, std::span<const TokenId> to
       cb.k = info.k;
       cb.v = info.v;
       cb.flags = info.flags;
+      cb.key_position = (info.flags & kBlockPreRopeK) != 0 ? info.key_position : 0;
       // The pool's fill of a shared block may run ahead of this context (a
       // fork appended to its copy); the segment's own count is what it holds.
       cb.fill = static_cast<std::uint32_t>(std::min(T, s.tokens - static_cast<int>(j) * T));
@@ -119,7 +120,7 @@ std::unique_ptr<PooledKvCache> import_context(const ContextReader& reader, std::
     const ContextBlock& b = m.blocks[i];
     plain.resize(reader.plain_bytes(i));
     reader.read_block(i, plain, cipher);  // authenticated and checksummed before any byte reaches the pool
-    const BlockRef ref = pool->allocate(b.k, b.v, b.flags);
+    const BlockRef ref = pool->allocate(b.k, b.v, b.flags, b.key_position);
     guard.blocks.push_back(ref);
     for (int kind = 0; kind < 2; ++kind) {
       const KvCodec& c = kind == 0 ? b.k : b.v;

@@ -131,13 +131,16 @@ PushResult RedisTier::push(SharePool& pool, const Descriptor& d, std::string_vie
   std::vector<std::string> keys;
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const ContextBlock& b = reader.meta().blocks[i];
-    std::uint8_t entry[40];
+    std::uint8_t entry[44];
     std::memcpy(entry, &ids[i].high64, 8);
     std::memcpy(entry + 8, &ids[i].low64, 8);
     const std::uint32_t fields[4] = {b.k.pack(), b.v.pack(), b.flags, b.fill};
     std::memcpy(entry + 16, fields, 16);
     std::memcpy(entry + 32, &b.checksum, 8);
-    const XXH128_hash_t addr = XXH3_128bits(entry, sizeof entry);
+    std::memcpy(entry + 40, &b.key_position, 4);
+    // Keys stored before RoPE mean something else at another position (and seal to other bytes).
+    const bool pre = (b.flags & kBlockPreRopeK) != 0;
+    const XXH128_hash_t addr = XXH3_128bits(entry, pre ? sizeof entry : 40);
     std::uint8_t canon[16];
     for (int k = 0; k < 8; ++k) {
       canon[k] = static_cast<std::uint8_t>(addr.high64 >> (56 - 8 * k));

@@ -82,27 +82,10 @@ class ContextFile : public ::testing::Test {
   std::vector<TokenId> prompt_, more_;
 };
 
-// A context file does not record where keys stored before RoPE were computed
-// (their block headers do): exporting one fails, naming why, and the context stays.
-TEST_F(ContextFile, KeysBeforeRopeAreRefusedWithTheReason) {
-  std::unique_ptr<Session> producer;
-  const Descriptor d = produce("int4:keys=pre", producer);
-  try {
-    export_bytes(d, nullptr);
-    ADD_FAILURE() << "exported a keys=pre context";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::unsupported);
-    EXPECT_NE(std::string(e.what()).find("export a keys=post format"), std::string::npos) << e.what();
-  }
-  HandoffResult r = open_session(*a_, *engine_, fp_, d, "B", {HandoffMode::kv});
-  EXPECT_TRUE(r.kv);
-  r.session.reset();
-  a_->release(d, "B");
-}
-
 TEST_F(ContextFile, ImportedContextContinuesBitIdenticallyInAnotherPoolForEveryFormat) {
   const KeyCipher key = test_key(1);
-  for (const char* format : {"f32", "f16", "int8", "int4", "int3", "k8v4", "int2:window=32:sink=4", "int4:rot=kv"}) {
+  for (const char* format : {"f32", "f16", "int8", "int4", "int3", "k8v4", "int2:window=32:sink=4", "int4:rot=kv",
+                             "int4:keys=pre", "k8v4:rot=v:keys=pre"}) {
     for (const BlockCipher* cipher : {static_cast<const BlockCipher*>(nullptr), static_cast<const BlockCipher*>(&key)}) {
       SCOPED_TRACE(std::string(format) + (cipher ? " encrypted" : " plain"));
       std::unique_ptr<Session> producer;
@@ -271,10 +254,14 @@ TEST(ContextVectors, CommittedFilesImportAndOpen) {
   const ModelFingerprint fp = model_fingerprint(*model);
   Engine engine(*model, EngineOptions{1});
   auto pool = SharePool::create_anonymous(testing::small_config());
-  for (const char* name : {"f32", "f16", "k8v4", "int3", "int4_rot_kv"}) {
+  // Version 1 files, and a version 2 file of keys stored before RoPE (its blocks name their key positions).
+  for (const char* name : {"f32", "f16", "k8v4", "int3", "int4_rot_kv", "int4_keys_pre"}) {
     SCOPED_TRACE(name);
     const MappedFile file(testing::source_path(std::string("tests/data/contexts/") + name + ".qkvctx"));
     const ContextReader reader(file.bytes(), name);
+    const bool pre = std::string(name) == "int4_keys_pre";
+    EXPECT_EQ(reader.meta().format.pre_rope_k, pre);
+    EXPECT_EQ(reader.meta().blocks[1].key_position, pre ? 32 : 0);
     const SealedContext sealed = import_sealed(*pool, reader, "A", &fp);
     const Descriptor d = pool->grant(sealed, "A", "B");
     pool->release(sealed);

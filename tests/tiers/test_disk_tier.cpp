@@ -76,7 +76,8 @@ class DiskTierTest : public ::testing::Test {
 TEST_F(DiskTierTest, SpilledContextRestoresExactlyInEveryFormat) {
   for (const bool encrypt : {false, true}) {
     const DiskTier disk(dir_, encrypt ? test_key() : nullptr);
-    for (const char* format : {"f32", "f16", "int8", "int4", "int3", "int2", "k8v4:kaxis=token", "int4:rot=kv:window=64"}) {
+    for (const char* format : {"f32", "f16", "int8", "int4", "int3", "int2", "k8v4:kaxis=token", "int4:rot=kv:window=64",
+                               "int4:keys=pre"}) {
       SCOPED_TRACE(std::string(format) + (encrypt ? " encrypted" : ""));
       std::unique_ptr<Session> producer;
       const Descriptor d = produce(format, producer);

@@ -95,8 +95,9 @@ int run(const char* path) {
           total.codes += t.codes;
         }
     }
-    std::printf("block %zu codecs %08x/%08x fill %u values %a scales %a mins %a codes %" PRIu64 "\n", b,
-                blk.k.pack(), blk.v.pack(), blk.fill, total.values, total.scales, total.mins, total.codes);
+    std::printf("block %zu codecs %08x/%08x flags %u key position %d fill %u values %a scales %a mins %a codes %" PRIu64 "\n",
+                b, blk.k.pack(), blk.v.pack(), blk.flags, blk.key_position, blk.fill, total.values, total.scales, total.mins,
+                total.codes);
   }
   const BlockSource source = [&](std::size_t b, std::span<std::uint8_t> out) {
     const ContextBlock& blk = m.blocks[b];
@@ -109,8 +110,19 @@ int run(const char* path) {
         }
   };
   const std::vector<std::uint8_t> again = encode_context(m, source);
-  const bool same = again == bytes;
-  std::printf("re-encoded %zu bytes: %s\n", again.size(), same ? "identical" : "DIFFERENT");
+  const unsigned version = bytes[8] | (bytes[9] << 8);
+  bool same = again == bytes;
+  if (version != kContextFileVersion) {
+    // An older file re-encodes in the current version: the same tokens, text and blocks (checksums).
+    const ContextReader upgraded(again, "re-encoded");
+    const ContextMeta& u = upgraded.meta();
+    same = u.tokens == m.tokens && u.text == m.text && u.blocks.size() == m.blocks.size();
+    for (std::size_t b = 0; same && b < m.blocks.size(); ++b)
+      same = u.blocks[b].checksum == m.blocks[b].checksum && u.blocks[b].fill == m.blocks[b].fill &&
+             u.blocks[b].flags == m.blocks[b].flags && u.blocks[b].key_position == m.blocks[b].key_position;
+  }
+  std::printf("version %u, re-encoded %zu bytes (version %u): %s\n", version, again.size(),
+              static_cast<unsigned>(kContextFileVersion), same ? "identical" : "DIFFERENT");
   return same ? 0 : 1;
 }
 
