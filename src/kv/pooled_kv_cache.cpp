@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "kv_attention.hpp"
+#include "rope_table.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
@@ -209,7 +210,7 @@ std::uint32_t PooledKvCache::block_flags() const noexcept {
 void PooledKvCache::set_rope(const KvRope& rope) {
   if (rope.inv_freq == rope_.inv_freq && rope.style == rope_.style) return;
   rope_ = rope;
-  rope_table_.clear();
+  rope_table_.reset();
 }
 
 const float* PooledKvCache::rope_table(int end_position) const {
@@ -217,14 +218,8 @@ const float* PooledKvCache::rope_table(int end_position) const {
   if (static_cast<int>(rope_.inv_freq.size()) * 2 != D)
     fail(ErrorCode::invalid_argument, "KV format {}: keys stored before RoPE need the model's RoPE frequencies "
          "(set_rope; the engine gives them before each pass)", format_.to_string());
-  const std::size_t per = 2 * static_cast<std::size_t>(D);
-  const int have = static_cast<int>(rope_table_.size() / per);
-  if (end_position > have) {
-    rope_table_.resize(static_cast<std::size_t>(end_position) * per);
-    for (int p = have; p < end_position; ++p)
-      kernels::rope_table_row(static_cast<float>(p), rope_.inv_freq.data(), D, rope_.style, &rope_table_[p * per]);
-  }
-  return rope_table_.data();
+  if (!rope_table_ || rope_table_->positions() < end_position) rope_table_ = kv::RopeTable::at_least(rope_, end_position);
+  return rope_table_->rows();
 }
 
 std::size_t PooledKvCache::kv_bytes() const {

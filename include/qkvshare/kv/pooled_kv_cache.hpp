@@ -32,6 +32,7 @@ namespace qkvshare {
 namespace kv {
 class BlockAttend;
 class SegmentAttend;
+class RopeTable;
 }
 
 // A token range of a run of blocks: `tokens` tokens starting at row
@@ -183,9 +184,9 @@ class PooledKvCache final : public KvCache {
   int base_ = 0;  // tokens before the last (writable) segment
   int position_gap_ = 0;
   KvRope rope_;
-  // keys=pre: the RoPE of every position up to the largest one read,
-  // [position][2 * head_dim] (kernels::rope_table_row: the engine's angles).
-  mutable std::vector<float> rope_table_;
+  // keys=pre: the RoPE rows of every position up to the largest one read
+  // (kv/rope_table.hpp, shared by the process's caches); held until the next plan needs more.
+  mutable std::shared_ptr<const kv::RopeTable> rope_table_;
   const float* rope_table(int end_position) const;
   std::unique_ptr<Step> step_;
   AttendPath path_ = AttendPath::automatic;
