@@ -69,20 +69,28 @@ def short_name(fmt):
             out += ":" + p
         elif p.startswith(("window", "sink")) and "+w" not in out:
             out += "+w"
+        elif p == "keys=pre":
+            out += "+pre"
     return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", nargs="+")
+    ap.add_argument("json", nargs="+", help="eval --json files; FILE@TEXT keeps the formats whose name holds TEXT")
     ap.add_argument("--plot")
     ap.add_argument("--names", help="comma-separated series names (default: the file names)")
     a = ap.parse_args()
-    runs = [json.loads(Path(p).read_text()) for p in a.json]
+    runs = []
+    for arg in a.json:
+        path, _, keep = arg.partition("@")
+        d = json.loads(Path(path).read_text())
+        if keep:
+            d["formats"] = [f for f in d["formats"] if keep in f["format"] or f["format"] == "f32"]
+        runs.append(d)
     for d in runs:
         print("\n".join(table(d)) + "\n")
     if a.plot:
-        names = a.names.split(",") if a.names else [Path(p).stem for p in a.json]
+        names = a.names.split(",") if a.names else [Path(p.partition("@")[0]).stem for p in a.json]
         plot(runs, a.plot, names)
 
 
