@@ -30,6 +30,7 @@ struct CalibrateArgs {
   unsigned seed = 1;
   bool from_start = false;
   std::string keys = "post";
+  int block_tokens = 32;
 };
 
 void run_calibrate(const CalibrateArgs& a) {
@@ -45,7 +46,7 @@ void run_calibrate(const CalibrateArgs& a) {
   KvCodebook::Header h = KvCodebook::Header::of(shape, a.sub, a.tokens);
   h.seed = a.seed;
   h.model = model_fingerprint(*model).model;
-  h.pre_rope_keys = a.keys == "pre";
+  h.keys = a.keys == "pre" ? KeyRope::pre : a.keys == "block" ? KeyRope::block : KeyRope::post;
   const KvRope rope = engine.rope();
   KvCodebook check(h);  // a bad --sub fails before the forward passes
   const std::size_t kvd = static_cast<std::size_t>(shape.kv_dim());
@@ -62,8 +63,11 @@ void run_calibrate(const CalibrateArgs& a) {
       for (int t = 0; t < n; ++t) {
         const std::size_t at = static_cast<std::size_t>(l) * per_layer + static_cast<std::size_t>(done + t) * kvd;
         std::copy(cache.keys(l, t), cache.keys(l, t) + kvd, keys.begin() + static_cast<std::ptrdiff_t>(at));
-        if (h.pre_rope_keys)  // the keys as projected: the window's RoPE undone (an exact rotation, to rounding)
-          kernels::rope(&keys[at], shape.n_kv_heads, shape.head_dim, -static_cast<float>(t), rope.inv_freq.data(),
+        // As the pool stores them: the window's RoPE undone (keys=pre), or all of it but the
+        // part within a block of --block-tokens (keys=block); exact rotations, to rounding.
+        const int undo = h.keys == KeyRope::pre ? t : h.keys == KeyRope::block ? t - t % a.block_tokens : 0;
+        if (undo != 0)
+          kernels::rope(&keys[at], shape.n_kv_heads, shape.head_dim, -static_cast<float>(undo), rope.inv_freq.data(),
                         rope.style);
         std::copy(cache.values(l, t), cache.values(l, t) + kvd, values.begin() + static_cast<std::ptrdiff_t>(at));
       }
@@ -80,9 +84,9 @@ void run_calibrate(const CalibrateArgs& a) {
   const KvCodebook book = train_codebook(h, keys, values, a.tokens, how);
   book.save(a.out_path);
   const auto t2 = std::chrono::steady_clock::now();
-  std::printf("%s: pq%d codebook (%d-channel sub-vectors, %d centroids, keys %s RoPE) of %s, %d tokens of %s (%s), id %016llx; "
+  std::printf("%s: pq%d codebook (%d-channel sub-vectors, %d centroids, keys=%s) of %s, %d tokens of %s (%s), id %016llx; "
               "forward %.1f s, k-means %.1f s\n",
-              a.out_path.c_str(), 8 / a.sub, a.sub, KvCodebook::kCentroids, h.pre_rope_keys ? "before" : "after",
+              a.out_path.c_str(), 8 / a.sub, a.sub, KvCodebook::kCentroids, key_rope_name(h.keys),
               a.model.model_path.c_str(), a.tokens,
               a.text_path.c_str(), a.from_start ? "from its start" : "from its end",
               static_cast<unsigned long long>(book.id()), std::chrono::duration<double>(t1 - t0).count(),
@@ -103,8 +107,11 @@ void register_calibrate(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--iterations", args->iterations, "k-means iterations")->check(CLI::Range(1, 1000));
   cmd->add_option("--seed", args->seed, "k-means seed (the result is deterministic for it)");
-  cmd->add_option("--keys", args->keys, "Learn keys as the pool stores them: post (after RoPE) or pre (for keys=pre formats)")
-      ->check(CLI::IsMember({"post", "pre"}));
+  cmd->add_option("--keys", args->keys,
+                  "Learn keys as the pool stores them: post (after RoPE), pre or block (for keys=pre / keys=block formats)")
+      ->check(CLI::IsMember({"post", "pre", "block"}));
+  cmd->add_option("--block-tokens", args->block_tokens, "Pool block size that keys=block rows are relative to")
+      ->check(CLI::IsMember({8, 16, 32, 64, 128}));
   cmd->add_flag("--from-start", args->from_start, "Take the tokens from the start of the text instead of its end");
   cmd->callback([args] { run_calibrate(*args); });
 }

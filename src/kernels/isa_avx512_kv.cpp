@@ -21,9 +21,9 @@ void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, 
   detail::tile_weighted_sum<Vec>(o, p, rows, n_rows, head_dim);
 }
 float tile_exp_sum(float* x, int n, float max) { return detail::tile_exp_sum<Vec>(x, n, max); }
-void tile_rope(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style) {
-  if ((head_dim / 2) % Vec::N != 0) return avx2::tile_rope(rows, n_rows, head_dim, table, style);
-  detail::tile_rope<Vec>(rows, n_rows, head_dim, table, style);
+void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t step, RopeStyle style) {
+  if ((head_dim / 2) % Vec::N != 0) return avx2::tile_rope(rows, n_rows, head_dim, table, step, style);
+  detail::tile_rope<Vec>(rows, n_rows, head_dim, table, step, style);
 }
 // The code kernels take 32 channels at a time (2 x 16 lanes of int16), 64
 // for 4-bit keys (4 x 16 bytes).

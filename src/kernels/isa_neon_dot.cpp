@@ -42,8 +42,8 @@ void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, 
   neon::tile_weighted_sum(o, p, rows, n_rows, head_dim);
 }
 float tile_exp_sum(float* x, int n, float max) { return neon::tile_exp_sum(x, n, max); }
-void tile_rope(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style) {
-  neon::tile_rope(rows, n_rows, head_dim, table, style);
+void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t step, RopeStyle style) {
+  neon::tile_rope(rows, n_rows, head_dim, table, step, style);
 }
 void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
                       void* qc, float* ab) {

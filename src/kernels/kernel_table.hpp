@@ -141,7 +141,8 @@ const KernelTable& portable_table() noexcept;
                         const float* ab, int nq, float* s, std::size_t s_stride);                            \
   void tile_code_sum(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p,                \
                      std::size_t p_stride, int nq, float* o);                                                \
-  void tile_rope(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style);
+  void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step,            \
+                 RopeStyle style);
 namespace avx2 {
 QKVSHARE_DECLARE_ISA_KERNELS
 }

@@ -152,12 +152,12 @@ void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, 
 
 // kv_tiles.hpp's TileRopeFn. Neox needs head_dim / 2 to be a multiple of N.
 template <class V>
-void tile_rope(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style) {
+void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step, RopeStyle style) {
   using F = typename V::F;
   const int half = head_dim / 2;
   for (int r = 0; r < n_rows; ++r) {
     float* x = rows + static_cast<std::ptrdiff_t>(r) * head_dim;
-    const float* C = table + static_cast<std::ptrdiff_t>(r) * 2 * head_dim;
+    const float* C = table + r * table_step;
     const float* S = C + head_dim;
     if (style == RopeStyle::neox) {
       for (int c = 0; c < half; c += V::N) {
@@ -214,7 +214,8 @@ float tile_exp_sum(float* x, int n, float max) {
     detail::tile_weighted_sum<Vec>(o, p, rows, n_rows, head_dim);                                         \
   }                                                                                                       \
   float tile_exp_sum(float* x, int n, float max) { return detail::tile_exp_sum<Vec>(x, n, max); }            \
-  void tile_rope(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style) {             \
-    if ((head_dim / 2) % Vec::N != 0) return rope_rows_ref(rows, n_rows, head_dim, table, style);         \
-    detail::tile_rope<Vec>(rows, n_rows, head_dim, table, style);                                         \
+  void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t step,        \
+                 RopeStyle style) {                                                                       \
+    if ((head_dim / 2) % Vec::N != 0) return rope_rows_ref(rows, n_rows, head_dim, table, step, style);   \
+    detail::tile_rope<Vec>(rows, n_rows, head_dim, table, step, style);                                   \
   }

@@ -91,12 +91,12 @@ void rope_table_row(float pos, const float* inv_freq, int head_dim, RopeStyle st
   }
 }
 
-void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style) {
+void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step, RopeStyle style) {
   const int half = head_dim / 2;
   std::vector<float> x(static_cast<std::size_t>(head_dim));
   for (int r = 0; r < n_rows; ++r) {
     float* row = rows + static_cast<std::ptrdiff_t>(r) * head_dim;
-    const float* C = table + static_cast<std::ptrdiff_t>(r) * 2 * head_dim;
+    const float* C = table + r * table_step;
     const float* S = C + head_dim;
     std::copy(row, row + head_dim, x.begin());
     for (int c = 0; c < head_dim; ++c) {

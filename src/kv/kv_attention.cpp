@@ -85,7 +85,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
   const int D = s.head_dim, T = in.block_tokens, G = s.n_heads / s.n_kv_heads;
   const int nq = (t1 - t0) * G, keys = (b1 - b0) * T, total = in.key_total();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  thread_local std::vector<float> qbuf, obuf, scores, tile, qab;
+  thread_local std::vector<float> qbuf, obuf, scores, tile, qab, qrel;
   thread_local std::vector<std::int16_t> qcodes;  // int16 or int8 per channel (kv_tiles.hpp)
   thread_local std::vector<float> pq_lut, pq_hist;  // kv_pq.hpp: per query, made at the first pq tile
   bool have_lut = false;
@@ -125,6 +125,14 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     const TileLayout l = tile_layout(in.k_codecs[b], T, D);
     const kernels::TileCodes kc = tile_codes(in.k_codecs[b], l, codebook_slice(in.book, in.k_codecs[b], 0, in.layer, h));
     if (b + 1 < last_block) prefetch_tile(in.k_tiles[ti + s.n_kv_heads], tile_layout(in.k_codecs[b + 1], T, D).bytes);
+    const bool rows_rope = in.k_positions && !in.keys_relative;  // keys=pre: RoPE on every key row read
+    const float* qk = qbuf.data();
+    if (in.keys_relative) {  // keys=block: the queries turned back by the block's first position instead
+      qrel.assign(qbuf.begin(), qbuf.begin() + static_cast<std::ptrdiff_t>(nq) * D);
+      ops.rope(qrel.data(), nq, D, in.rope_inverse + static_cast<std::ptrdiff_t>(in.k_positions[b]) * 2 * D, 0,
+               in.rope_style);
+      qk = qrel.data();
+    }
     if (on_tables && pq_tables_fit(kc, nq) && !in.k_positions) {
       // Scores from the query's table of products with the centroids.
       const int hi = hi_of(b);
@@ -143,13 +151,13 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       }
       continue;
     }
-    if (on_codes && kernels::codes_keys_ok(kc) && !in.k_positions) {
+    if (on_codes && kernels::codes_keys_ok(kc) && !rows_rope) {
       // Scores straight from the codes, for the rows any query sees.
       const int hi = hi_of(b);
       if (hi <= lo) continue;
       qcodes.resize(static_cast<std::size_t>(nq) * D);
       qab.resize(2 * static_cast<std::size_t>(nq));
-      ops.query_codes(kc, in.k_tiles[ti], qbuf.data(), nq, scale, qcodes.data(), qab.data());
+      ops.query_codes(kc, in.k_tiles[ti], qk, nq, scale, qcodes.data(), qab.data());
       float* s0 = &scores[static_cast<std::size_t>(b - b0) * T];
       ops.code_scores(kc, in.k_tiles[ti], lo, hi, qcodes.data(), qab.data(), nq, s0, static_cast<std::size_t>(keys));
       for (int i = 0; i < nq; ++i) {
@@ -164,18 +172,18 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       ops.decode(kc, in.k_tiles[ti], rows, tile.data());
       k = tile.data();
     }
-    if (in.k_positions) {  // stored before RoPE: rotated to the positions they were computed at
+    if (rows_rope) {  // stored before RoPE: rotated to the positions they were computed at
       if (k != tile.data()) std::memcpy(tile.data(), k, sizeof(float) * static_cast<std::size_t>(rows) * D);
       const int hi = hi_of(b);
       if (hi > lo)
         ops.rope(&tile[static_cast<std::size_t>(lo) * D], hi - lo, D,
-                 in.rope_table + static_cast<std::ptrdiff_t>(in.k_positions[b] + lo) * 2 * D, in.rope_style);
+                 in.rope_table + static_cast<std::ptrdiff_t>(in.k_positions[b] + lo) * 2 * D, 2 * D, in.rope_style);
       k = tile.data();
     }
     for (int i = 0; i < nq; ++i) {
       const int lim = lim_of(b, i);
       float* sc = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
-      const float* qi = &qbuf[static_cast<std::size_t>(i) * D];
+      const float* qi = qk + static_cast<std::ptrdiff_t>(i) * D;
       if (lim > lo)
         ml[static_cast<std::size_t>(i)].m = std::max(
             ml[static_cast<std::size_t>(i)].m, ops.scores(qi, k + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D, scale, sc + lo));

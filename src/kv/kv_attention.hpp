@@ -30,11 +30,16 @@ struct AttendInput {
   // The centroids of pq tiles (KvFormat::book) and the layer they are read for.
   const KvCodebook* book = nullptr;
   int layer = 0;
-  // Keys stored before RoPE (KvFormat::pre_rope_k): row r of block b was
-  // computed at position k_positions[b] + r, and is rotated there when read
-  // by rope_table ([position][2 * head_dim], kernels::rope_table_row).
+  // Keys stored before RoPE (keys=pre): row r of block b was computed at
+  // position k_positions[b] + r, and is rotated there when read by
+  // rope_table ([position][2 * head_dim], kernels::rope_table_row). With
+  // keys_relative (keys=block) the rows hold their in-block part already and
+  // the queries are turned back by k_positions[b] instead (rope_inverse, the
+  // rows of -position).
   const int* k_positions = nullptr;
   const float* rope_table = nullptr;
+  const float* rope_inverse = nullptr;
+  bool keys_relative = false;
   RopeStyle rope_style = RopeStyle::interleaved;
   // A segment of a spliced context: its keys are rows [key_lo, key_end) of
   // the blocks (key_end < 0: first_pos + n); causal == false when every query

@@ -15,10 +15,10 @@ namespace {
 
 constexpr char kMagic[8] = {'Q', 'K', 'V', 'S', 'P', 'Q', 'C', 'B'};
 // Version 1 ends its header after the model fingerprint and checksum;
-// version 2 adds a u32 of flags (bit 0: keys learned before RoPE).
+// version 2 adds a u32 of flags (bits 0-1: the keys' KeyRope).
 constexpr std::size_t kHeaderBytesV1 = 8 + 4 * 8 + 16 + 8;
 constexpr std::size_t kHeaderBytes = kHeaderBytesV1 + 4;
-constexpr std::uint32_t kFlagPreRopeKeys = 1u;
+constexpr std::uint32_t kFlagKeyRope = 3u;
 
 void put_u32(std::string& s, std::uint32_t v) {
   for (int i = 0; i < 4; ++i) s += static_cast<char>((v >> (8 * i)) & 0xffu);
@@ -52,7 +52,7 @@ std::string header_bytes(const KvCodebook::Header& h, std::uint64_t payload_hash
   put_u32(s, h.seed);
   s.append(reinterpret_cast<const char*>(h.model.data()), h.model.size());
   put_u64(s, payload_hash);
-  put_u32(s, h.pre_rope_keys ? kFlagPreRopeKeys : 0u);
+  put_u32(s, static_cast<std::uint32_t>(h.keys));
   return s;
 }
 
@@ -133,7 +133,7 @@ KvCodebook KvCodebook::parse(std::string_view bytes, const std::string& path) {
   const std::size_t header_bytes = u32(0) == 1 ? kHeaderBytesV1 : kHeaderBytes;
   if (bytes.size() < header_bytes) bad(fmt::format("truncated header ({} bytes)", bytes.size()));
   const std::uint32_t flags = u32(0) == 1 ? 0u : static_cast<std::uint32_t>(get_le(p + 56, 4));
-  if ((flags & ~kFlagPreRopeKeys) != 0) bad(fmt::format("unknown flags 0x{:x}", flags));
+  if ((flags & ~kFlagKeyRope) != 0 || (flags & kFlagKeyRope) == kFlagKeyRope) bad(fmt::format("unknown flags 0x{:x}", flags));
   if (u32(5) != kCentroids) bad(fmt::format("{} centroids (expected {})", u32(5), kCentroids));
   Header h;
   h.n_layers = static_cast<int>(u32(1));
@@ -142,7 +142,7 @@ KvCodebook KvCodebook::parse(std::string_view bytes, const std::string& path) {
   h.sub = static_cast<int>(u32(4));
   h.calibration_tokens = static_cast<int>(u32(6));
   h.seed = u32(7);
-  h.pre_rope_keys = (flags & kFlagPreRopeKeys) != 0;
+  h.keys = static_cast<KeyRope>(flags & kFlagKeyRope);
   std::memcpy(h.model.data(), p + 32, 16);
   const std::uint64_t want = get_le(p + 48, 8);
   // The payload's size before anything is allocated for the tables.

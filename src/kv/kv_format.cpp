@@ -171,6 +171,10 @@ TileLayout tile_layout(const KvCodec& c, int block_tokens, int head_dim) {
   return t;
 }
 
+const char* key_rope_name(KeyRope r) noexcept {
+  return r == KeyRope::pre ? "pre" : r == KeyRope::block ? "block" : "post";
+}
+
 KvFormat KvFormat::parse(std::string_view text) {
   const std::string whole(text);
   std::vector<std::string_view> parts;
@@ -221,9 +225,9 @@ KvFormat KvFormat::parse(std::string_view text) {
       f.rotate_k = val == "k" || val == "kv";
       f.rotate_v = val == "v" || val == "kv";
     } else if (key == "keys") {
-      if (val != "post" && val != "pre")
-        fail(ErrorCode::invalid_argument, "KV format '{}': keys must be post or pre (RoPE), got '{}'", whole, val);
-      f.pre_rope_k = val == "pre";
+      if (val != "post" && val != "pre" && val != "block")
+        fail(ErrorCode::invalid_argument, "KV format '{}': keys must be post, pre or block (RoPE), got '{}'", whole, val);
+      f.key_rope = val == "pre" ? KeyRope::pre : val == "block" ? KeyRope::block : KeyRope::post;
     } else if (key == "lo") {
       KvFormat lo;
       try {
@@ -276,8 +280,9 @@ KvFormat KvFormat::parse(std::string_view text) {
     fail(ErrorCode::invalid_argument, "KV format '{}': book applies to pq formats only", whole);
   if (f.uses_pq() && (f.rotate_k || f.rotate_v))
     fail(ErrorCode::invalid_argument, "KV format '{}': pq codebooks are learned on unrotated rows (no rot)", whole);
-  if (f.pre_rope_k && f.rotate_k)
-    fail(ErrorCode::invalid_argument, "KV format '{}': keys=pre does not combine with rotated keys (rot=k or kv)", whole);
+  if (f.key_rope != KeyRope::post && f.rotate_k)
+    fail(ErrorCode::invalid_argument, "KV format '{}': keys={} does not combine with rotated keys (rot=k or kv)", whole,
+         key_rope_name(f.key_rope));
   if (f.uses_pq()) {
     try {
       f.book = KvCodebook::shared(f.book_path);
@@ -316,7 +321,7 @@ std::string KvFormat::to_string() const {
   if (k.axis == KvAxis::token && k.group != plain.k.group && k.group != 0) s += fmt::format(":kgroup={}", k.group);
   if (v.group != plain.v.group && v.group != 0) s += fmt::format(":vgroup={}", v.group);
   if (rotate_k || rotate_v) s += rotate_k && rotate_v ? ":rot=kv" : rotate_k ? ":rot=k" : ":rot=v";
-  if (pre_rope_k) s += ":keys=pre";
+  if (key_rope != KeyRope::post) s += fmt::format(":keys={}", key_rope_name(key_rope));
   if (mixed()) {
     s += lo_k == lo_v && lo_k.pq()               ? fmt::format(":lo={}", side_name(lo_k))
          : lo_k.type == lo_v.type && !lo_k.pq() ? fmt::format(":lo=int{}", lo_k.bits())
@@ -347,10 +352,10 @@ void KvFormat::validate(const KvShape& shape, int block_tokens) const {
     if (c->pq() && c->group != book->sub())
       fail(ErrorCode::invalid_argument, "KV format '{}': pq{} needs a codebook of {}-channel sub-vectors; '{}' has {}",
            to_string(), c->bits(), c->group, book_path, book->sub());
-  if ((k.pq() || (mixed() && lo_k.pq())) && book->header().pre_rope_keys != pre_rope_k)
-    fail(ErrorCode::invalid_argument, "KV format '{}': codebook '{}' was learned on keys {} RoPE; the format stores them {} "
-         "(keys={} here, or calibrate --keys {})", to_string(), book_path, book->header().pre_rope_keys ? "before" : "after",
-         pre_rope_k ? "before" : "after", book->header().pre_rope_keys ? "pre" : "post", pre_rope_k ? "pre" : "post");
+  if ((k.pq() || (mixed() && lo_k.pq())) && book->header().keys != key_rope)
+    fail(ErrorCode::invalid_argument, "KV format '{}': codebook '{}' was learned on keys={} rows; the format stores "
+         "keys={} (keys={} here, or calibrate --keys {})", to_string(), book_path, key_rope_name(book->header().keys),
+         key_rope_name(key_rope), key_rope_name(book->header().keys), key_rope_name(key_rope));
   if ((rotate_k || rotate_v) && (shape.head_dim & (shape.head_dim - 1)) != 0)
     fail(ErrorCode::unsupported, "KV format '{}': Hadamard rotation needs a power-of-two head_dim, got {}",
          to_string(), shape.head_dim);

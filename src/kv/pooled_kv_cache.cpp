@@ -204,7 +204,7 @@ std::unique_ptr<PooledKvCache> PooledKvCache::adopt(std::shared_ptr<KvPool> pool
 
 std::uint32_t PooledKvCache::block_flags() const noexcept {
   return (format_.rotate_k ? kBlockRotatedK : 0u) | (format_.rotate_v ? kBlockRotatedV : 0u) |
-         (format_.pre_rope_k ? kBlockPreRopeK : 0u);
+         (static_cast<std::uint32_t>(format_.key_rope) << 2);
 }
 
 void PooledKvCache::set_rope(const KvRope& rope) {
@@ -213,13 +213,13 @@ void PooledKvCache::set_rope(const KvRope& rope) {
   rope_table_.reset();
 }
 
-const float* PooledKvCache::rope_table(int end_position) const {
+const float* PooledKvCache::rope_table(int end_position, bool inverse) const {
   const int D = shape().head_dim;
   if (static_cast<int>(rope_.inv_freq.size()) * 2 != D)
     fail(ErrorCode::invalid_argument, "KV format {}: keys stored before RoPE need the model's RoPE frequencies "
          "(set_rope; the engine gives them before each pass)", format_.to_string());
   if (!rope_table_ || rope_table_->positions() < end_position) rope_table_ = kv::RopeTable::at_least(rope_, end_position);
-  return rope_table_->rows();
+  return inverse ? rope_table_->inverse_rows() : rope_table_->rows();
 }
 
 std::size_t PooledKvCache::kv_bytes() const {
@@ -329,7 +329,8 @@ void PooledKvCache::write(int layer, int n, const float* k, const float* v) {
   }
   QKV_CHECK(step_ && step_->n == n && step_->next_layer == layer);
   const int D = s.head_dim, kvd = s.kv_dim();
-  if (format_.rotate_k || format_.rotate_v) {
+  const bool relative = format_.key_rope == KeyRope::block;
+  if (format_.rotate_k || format_.rotate_v || relative) {
     rotated_.resize(static_cast<std::size_t>(n) * static_cast<std::size_t>(kvd) * 2);
     float* rk = rotated_.data();
     float* rv = rk + static_cast<std::size_t>(n) * static_cast<std::size_t>(kvd);
@@ -338,6 +339,13 @@ void PooledKvCache::write(int layer, int n, const float* k, const float* v) {
     for (int i = 0; i < n * s.n_kv_heads; ++i) {
       if (format_.rotate_k) kv::rotate(rk + static_cast<std::ptrdiff_t>(i) * D, D);
       if (format_.rotate_v) kv::rotate(rv + static_cast<std::ptrdiff_t>(i) * D, D);
+    }
+    if (relative) {  // keys=block: each key turned by its offset in its block (rows 0..T-1 of the table)
+      const int T = pool_->block_tokens(), done = size_ - base_;
+      const float* table = rope_table(T);
+      for (int t = 0; t < n; ++t)
+        kernels::tile_kernels().rope(rk + static_cast<std::ptrdiff_t>(t) * kvd, s.n_kv_heads, D,
+                                     table + static_cast<std::ptrdiff_t>((done + t) % T) * 2 * D, 0, rope_.style);
     }
     k = rk;
     v = rv;
@@ -429,9 +437,12 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   in.rotate_v = format_.rotate_v;
   in.book = format_.book.get();
   in.layer = layer;
-  if (format_.pre_rope_k) {
+  if (format_.key_rope != KeyRope::post) {
+    const int end = *std::max_element(step_->view_pos.begin(), step_->view_pos.end()) + pool_->block_tokens();
     in.k_positions = step_->view_pos.data();
-    in.rope_table = rope_table(*std::max_element(step_->view_pos.begin(), step_->view_pos.end()) + pool_->block_tokens());
+    in.rope_table = rope_table(end);
+    in.rope_inverse = rope_table(end, true);
+    in.keys_relative = format_.key_rope == KeyRope::block;
     in.rope_style = rope_.style;
   }
   if (!attend_work_) attend_work_ = std::make_unique<kv::BlockAttend>();
@@ -456,13 +467,15 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
   w.po.resize(segs * w.slots * static_cast<std::size_t>(D));
   w.first_job.assign(segs + 1, 0);
   const AttendPath path = path_ == AttendPath::exact ? AttendPath::scalar : path_;
-  const float* table = nullptr;  // keys=pre: one table for every segment (growing it moves it)
-  if (format_.pre_rope_k) {
+  const float* table = nullptr;  // keys=pre|block: one table for every segment (growing it moves it)
+  const float* inverse = nullptr;
+  if (format_.key_rope != KeyRope::post) {
     int end = 0;
     for (std::size_t si = 0; si + 1 < segs; ++si)
       for (const BlockRef b : segments_[si].blocks) end = std::max(end, pool_->info(b).key_position + T);
     for (const int p : step_->view_pos) end = std::max(end, p + T);
     table = rope_table(end);
+    inverse = rope_table(end, true);
   }
   for (std::size_t si = 0; si < segs; ++si) {
     const KvSegment& seg = segments_[si];
@@ -516,9 +529,11 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
     in.rotate_v = format_.rotate_v;
     in.book = format_.book.get();
     in.layer = layer;
-    if (format_.pre_rope_k) {
+    if (format_.key_rope != KeyRope::post) {
       in.k_positions = part.pos.data();
       in.rope_table = table;
+      in.rope_inverse = inverse;
+      in.keys_relative = format_.key_rope == KeyRope::block;
       in.rope_style = rope_.style;
     }
     in.out_ml = &w.ml[si * w.slots * 2];

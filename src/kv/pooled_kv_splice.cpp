@@ -91,7 +91,13 @@ void PooledKvCache::read_rows(int layer, int kind, int kv_head, int first, int c
       if (kind == 0 && (info.flags & kBlockPreRopeK) != 0) {  // the keys as attention reads them
         const float* table = rope_table(info.key_position + T);
         kernels::tile_kernels().rope(&tile[static_cast<std::size_t>(r) * D], take, D,
-                                     table + static_cast<std::ptrdiff_t>(info.key_position + r) * 2 * D, rope_.style);
+                                     table + static_cast<std::ptrdiff_t>(info.key_position + r) * 2 * D, 2 * D,
+                                     rope_.style);
+      }
+      if (kind == 0 && (info.flags & kBlockRelativeK) != 0) {  // the rest of their RoPE: the block's first position
+        const float* table = rope_table(info.key_position + 1);
+        kernels::tile_kernels().rope(&tile[static_cast<std::size_t>(r) * D], take, D,
+                                     table + static_cast<std::ptrdiff_t>(info.key_position) * 2 * D, 0, rope_.style);
       }
       std::memcpy(out + static_cast<std::ptrdiff_t>(i - first) * D, &tile[static_cast<std::size_t>(r) * D],
                   sizeof(float) * static_cast<std::size_t>(take) * static_cast<std::size_t>(D));

@@ -13,9 +13,13 @@ RopeTable::RopeTable(const KvRope& rope, int positions) : positions_(positions) 
   const int head_dim = static_cast<int>(rope.inv_freq.size()) * 2;
   const std::size_t per = 2 * static_cast<std::size_t>(head_dim);
   rows_.resize(static_cast<std::size_t>(positions) * per);
-  for (int p = 0; p < positions; ++p)
+  inverse_.resize(rows_.size());
+  for (int p = 0; p < positions; ++p) {
     kernels::rope_table_row(static_cast<float>(p), rope.inv_freq.data(), head_dim, rope.style,
                             &rows_[static_cast<std::size_t>(p) * per]);
+    kernels::rope_table_row(-static_cast<float>(p), rope.inv_freq.data(), head_dim, rope.style,
+                            &inverse_[static_cast<std::size_t>(p) * per]);
+  }
 }
 
 std::shared_ptr<const RopeTable> RopeTable::at_least(const KvRope& rope, int positions) {

@@ -16,14 +16,15 @@ class RopeTable {
   static std::shared_ptr<const RopeTable> at_least(const KvRope& rope, int positions);
 
   int positions() const noexcept { return positions_; }
-  // [positions][2 * head_dim]: row p is the table row of position p.
+  // [positions][2 * head_dim]: row p is the table row of position p, and of -p.
   const float* rows() const noexcept { return rows_.data(); }
+  const float* inverse_rows() const noexcept { return inverse_.data(); }
 
   RopeTable(const KvRope& rope, int positions);
 
  private:
   int positions_ = 0;
-  std::vector<float> rows_;
+  std::vector<float> rows_, inverse_;
 };
 
 }  // namespace qkvshare::kv

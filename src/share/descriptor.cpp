@@ -89,7 +89,7 @@ void validate_agent_id(std::string_view id, std::string_view what) {
 }
 
 std::optional<KvFormat> Descriptor::format() const {
-  if (format_flags > 7) return std::nullopt;
+  if (format_flags > 11) return std::nullopt;
   KvFormat f;
   try {
     f.k = KvCodec::unpack(k_codec);
@@ -101,8 +101,8 @@ std::optional<KvFormat> Descriptor::format() const {
   f.sink = static_cast<int>(sink);
   f.rotate_k = (format_flags & 1u) != 0;
   f.rotate_v = (format_flags & 2u) != 0;
-  f.pre_rope_k = (format_flags & 4u) != 0;
-  if (f.pre_rope_k && f.rotate_k) return std::nullopt;
+  f.key_rope = static_cast<KeyRope>((format_flags >> 2) & 3u);
+  if (f.key_rope != KeyRope::post && f.rotate_k) return std::nullopt;
   if (top_millionths != 0) {
     try {
       f.lo_k = KvCodec::unpack(lo_k_codec);
@@ -126,7 +126,7 @@ void Descriptor::set_format(const KvFormat& f) {
   v_codec = f.v.pack();
   window = static_cast<std::uint32_t>(f.window);
   sink = static_cast<std::uint32_t>(f.sink);
-  format_flags = (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u) | (f.pre_rope_k ? 4u : 0u);
+  format_flags = (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u) | (static_cast<std::uint32_t>(f.key_rope) << 2);
   lo_k_codec = f.mixed() ? f.lo_k.pack() : 0;
   lo_v_codec = f.mixed() ? f.lo_v.pack() : 0;
   top_millionths = f.mixed() ? static_cast<std::uint32_t>(std::clamp(std::lround(f.top * 1e6), 1L, 999999L)) : 0;

@@ -226,7 +226,7 @@ SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<con
   rec.v_codec = f.v.pack();
   rec.window = static_cast<std::uint32_t>(f.window);
   rec.sink = static_cast<std::uint32_t>(f.sink);
-  rec.format_flags = (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u) | (f.pre_rope_k ? 4u : 0u);
+  rec.format_flags = (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u) | (static_cast<std::uint32_t>(f.key_rope) << 2);
   {
     Descriptor mixed;  // the one encoding of a format's mixed-precision fields
     mixed.set_format(f);

@@ -18,9 +18,9 @@ namespace {
 constexpr char kMagic[8] = {'Q', 'K', 'V', 'C', 'T', 'X', '\0', '\0'};
 constexpr std::uint32_t kFlagEncrypted = 1u;
 constexpr std::size_t kSegmentEntry = 8, kBlockEntryV1 = 32, kBlockEntry = 40;
-// Keys stored before RoPE: bit 2 of the format flags and of a block's flags alike (kBlockPreRopeK,
-// kv_pool.hpp, which this reader does not depend on).
-constexpr std::uint32_t kFormatPreRopeK = 4u;
+// Keys not stored as rotated (KeyRope << 2): bits 2-3 of the format flags and of a block's flags
+// alike (kBlockPreRopeK, kBlockRelativeK in kv_pool.hpp, which this reader does not depend on).
+constexpr std::uint32_t kFormatKeyRope = 12u;
 constexpr std::uint32_t kMaxTokens = 1u << 24, kMaxLayers = 1024, kMaxHeads = 1024, kMaxHeadDim = 4096;
 constexpr bool kLittleHost = std::endian::native == std::endian::little;
 
@@ -87,7 +87,7 @@ std::size_t tile_bytes(const KvCodec& c, int block_tokens, int head_dim) {
 }
 
 std::uint32_t format_flags(const KvFormat& f) {
-  return (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u) | (f.pre_rope_k ? kFormatPreRopeK : 0u);
+  return (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u) | (static_cast<std::uint32_t>(f.key_rope) << 2);
 }
 
 // The bytes a block's tag also authenticates: its table entry, so a sealed
@@ -101,7 +101,7 @@ std::vector<std::uint8_t> block_aad(const ContextBlock& b) {
   put(v, b.flags, 4);
   put(v, b.fill, 4);
   put(v, b.checksum, 8);
-  if ((b.flags & kFormatPreRopeK) != 0) put(v, static_cast<std::uint32_t>(b.key_position), 4);
+  if ((b.flags & kFormatKeyRope) != 0) put(v, static_cast<std::uint32_t>(b.key_position), 4);
   return v;
 }
 
@@ -216,7 +216,7 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
     put(meta, b.fill, 4);
     put(meta, b.payload_offset, 8);
     put(meta, b.checksum, 8);
-    put(meta, static_cast<std::uint32_t>((b.flags & kFormatPreRopeK) != 0 ? b.key_position : 0), 4);
+    put(meta, static_cast<std::uint32_t>((b.flags & kFormatKeyRope) != 0 ? b.key_position : 0), 4);
     put(meta, 0u, 4);
   }
   put(meta, XXH3_64bits(meta.data(), meta.size()), 8);
@@ -267,7 +267,7 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
     fail(ErrorCode::bad_descriptor, "{}: format version {}, this build reads versions 1 to {}", name_, version,
          kContextFileVersion);
   const std::size_t block_entry = version == 1 ? kBlockEntryV1 : kBlockEntry;
-  const std::uint32_t known_fflags = version == 1 ? 3u : 7u;
+  const std::uint32_t known_fflags = version == 1 ? 3u : 11u;
   if (get(p + 10, 2) != kContextHeaderBytes) bad("header size field is not 128");
   if (XXH3_64bits(p, kContextHeaderBytes - 8) != get64(p + kContextHeaderBytes - 8))
     bad("header checksum does not match (corrupted or edited header)");
@@ -296,13 +296,13 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
     fail(ErrorCode::bad_descriptor, "{}: context format: {}", name_, e.what());
   }
   const std::uint32_t window = get32(p + 68), sink = get32(p + 72), fflags = get32(p + 76);
-  if (window > kMaxTokens || sink > kMaxTokens || fflags > known_fflags || (fflags & 5u) == 5u)
+  if (window > kMaxTokens || sink > kMaxTokens || fflags > known_fflags || ((fflags & kFormatKeyRope) != 0 && (fflags & 1u) != 0))
     fail(ErrorCode::bad_descriptor, "{}: window {}, sink {} or format flags {} out of range", name_, window, sink, fflags);
   meta_.format.window = static_cast<int>(window);
   meta_.format.sink = static_cast<int>(sink);
   meta_.format.rotate_k = (fflags & 1u) != 0;
   meta_.format.rotate_v = (fflags & 2u) != 0;
-  meta_.format.pre_rope_k = (fflags & kFormatPreRopeK) != 0;
+  meta_.format.key_rope = static_cast<KeyRope>((fflags & kFormatKeyRope) >> 2);
   const std::uint32_t n_tokens = get32(p + 80), n_text = get32(p + 84), n_seg = get32(p + 88), n_blocks = get32(p + 92);
   if (n_tokens == 0 || n_tokens > kMaxTokens)
     fail(ErrorCode::bad_descriptor, "{}: token count {} is not in [1, 2^24]", name_, n_tokens);
@@ -366,7 +366,7 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
     if (version >= 2) {
       const std::uint32_t pos = get32(e + 32);
       if (get32(e + 36) != 0) fail(ErrorCode::bad_descriptor, "{}: block {}: reserved field is not zero", name_, i);
-      if ((b.flags & kFormatPreRopeK) == 0 ? pos != 0 : pos > kMaxTokens)
+      if ((b.flags & kFormatKeyRope) == 0 ? pos != 0 : pos > kMaxTokens)
         fail(ErrorCode::bad_descriptor, "{}: block {}: key position {} out of range", name_, i, pos);
       b.key_position = static_cast<std::int32_t>(pos);
     }

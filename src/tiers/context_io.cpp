@@ -64,7 +64,7 @@ ContextMeta context_meta(const PooledKvCache& cache, std::span<const TokenId> to
       cb.k = info.k;
       cb.v = info.v;
       cb.flags = info.flags;
-      cb.key_position = (info.flags & kBlockPreRopeK) != 0 ? info.key_position : 0;
+      cb.key_position = (info.flags & (kBlockPreRopeK | kBlockRelativeK)) != 0 ? info.key_position : 0;
       // The pool's fill of a shared block may run ahead of this context (a
       // fork appended to its copy); the segment's own count is what it holds.
       cb.fill = static_cast<std::uint32_t>(std::min(T, s.tokens - static_cast<int>(j) * T));

@@ -139,7 +139,7 @@ PushResult RedisTier::push(SharePool& pool, const Descriptor& d, std::string_vie
     std::memcpy(entry + 32, &b.checksum, 8);
     std::memcpy(entry + 40, &b.key_position, 4);
     // Keys stored before RoPE mean something else at another position (and seal to other bytes).
-    const bool pre = (b.flags & kBlockPreRopeK) != 0;
+    const bool pre = (b.flags & (kBlockPreRopeK | kBlockRelativeK)) != 0;
     const XXH128_hash_t addr = XXH3_128bits(entry, pre ? sizeof entry : 40);
     std::uint8_t canon[16];
     for (int k = 0; k < 8; ++k) {

@@ -83,7 +83,7 @@ TEST(OpsIsa, KeyRowRopeMatchesTheReferenceOnEveryLevel) {
         x[static_cast<std::size_t>(hd + c)] = c % 2 ? 3e38f : -1e-38f;  // row 1: near the ends of the range
       }
       std::vector<float> ref = x;
-      rope_rows_ref(ref.data(), rows, hd, table.data(), style);
+      rope_rows_ref(ref.data(), rows, hd, table.data(), 2 * hd, style);
       for (int r = 2; r < rows; ++r) {  // the engine's RoPE of the same row
         std::vector<float> e(x.begin() + r * hd, x.begin() + (r + 1) * hd);
         rope(e.data(), 1, hd, static_cast<float>(pos0 + r), inv.data(), style);
@@ -92,10 +92,17 @@ TEST(OpsIsa, KeyRowRopeMatchesTheReferenceOnEveryLevel) {
       }
       for (Isa isa : available_isas()) {
         std::vector<float> got = x;
-        tile_kernels(isa).rope(got.data(), rows, hd, table.data(), style);
+        tile_kernels(isa).rope(got.data(), rows, hd, table.data(), 2 * hd, style);
         for (std::size_t i = 0; i < got.size(); ++i)
           ASSERT_EQ(std::memcmp(&got[i], &ref[i], sizeof(float)), 0)
               << isa_name(isa) << " head_dim " << hd << " at " << i << ": " << got[i] << " vs " << ref[i];
+        // Every row by the same angles (a step of 0: the queries of keys=block), row 5's.
+        std::vector<float> same = x, same_ref = x;
+        rope_rows_ref(same_ref.data(), rows, hd, &table[5 * 2 * static_cast<std::size_t>(hd)], 0, style);
+        tile_kernels(isa).rope(same.data(), rows, hd, &table[5 * 2 * static_cast<std::size_t>(hd)], 0, style);
+        ASSERT_EQ(0, std::memcmp(same.data(), same_ref.data(), same.size() * sizeof(float))) << isa_name(isa);
+        for (int c = 0; c < hd; ++c)
+          ASSERT_EQ(same_ref[static_cast<std::size_t>(5 * hd + c)], ref[static_cast<std::size_t>(5 * hd + c)]);
       }
     }
 }

@@ -32,7 +32,7 @@ TEST(KvFormat, ToStringRoundTrips) {
                            "int4:vgroup=64", "int3:rot=kv", "k4v2:window=32:rot=v", "int8:lo=int2:top=0.2",
                            "k8v4:window=64:sink=32:lo=k4v2:top=0.35", "f16:budget=0.5",
                            "int8:window=128:sink=32:lo=int2:top=0.2:budget=0.6", "f16:budget=0.5:rank=recent",
-                           "int4:budget=0.25:positions=close", "int4:keys=pre", "k8v4:rot=v:keys=pre:lo=int2:top=0.5"}) {
+                           "int4:budget=0.25:positions=close", "int4:keys=pre", "k8v4:rot=v:keys=pre:lo=int2:top=0.5", "int2:window=64:keys=block"}) {
     const KvFormat f = KvFormat::parse(text);
     EXPECT_EQ(f.to_string(), text);
     EXPECT_EQ(KvFormat::parse(f.to_string()), f) << text;
@@ -74,7 +74,8 @@ TEST(KvFormat, BadTextNamesThePart) {
   EXPECT_NE(message("int8:rank=recent").find("rank applies to"), std::string::npos);
   EXPECT_NE(message("int8:positions=close").find("positions applies to"), std::string::npos);
   EXPECT_NE(message("int8:budget=0.5:positions=shift").find("positions must be keep or close"), std::string::npos);
-  EXPECT_NE(message("int4:keys=rope").find("keys must be post or pre"), std::string::npos);
+  EXPECT_NE(message("int4:keys=rope").find("keys must be post, pre or block"), std::string::npos);
+  EXPECT_NE(message("int4:keys=block:rot=k").find("keys=block does not combine with rotated keys"), std::string::npos);
   EXPECT_NE(message("int4:keys=pre:rot=kv").find("keys=pre does not combine with rotated keys"), std::string::npos);
   EXPECT_NE(message("int8:budget=0.5:rank=oldest").find("rank must be attention or recent"), std::string::npos);
 }

@@ -102,8 +102,8 @@ TEST(KvCodebook, FileRoundTripsAndBadFilesAreNamed) {
   newer[8] = 3;
   expect_load_error(write_bytes("newer.kvc", newer), "version 3");
   std::string flags = good;
-  flags[8 + 56] = 2;  // a flag this build does not know
-  expect_load_error(write_bytes("flags.kvc", flags), "unknown flags 0x2");
+  flags[8 + 56] = 4;  // a flag this build does not know
+  expect_load_error(write_bytes("flags.kvc", flags), "unknown flags 0x4");
   std::string sub = good;
   sub[8 + 16] = 5;  // sub-vectors of 5 channels
   expect_load_error(write_bytes("sub.kvc", sub), "sub-vectors of 5");
@@ -160,13 +160,13 @@ TEST(KvCodebook, FormatsNameTheirBookAndRefuseMismatches) {
 TEST(KvCodebook, KeysBeforeRopeMustMatchTheFormat) {
   const KvShape shape{2, 4, 2, 16};
   KvCodebook::Header h = header(2, 2, 16, 4);
-  h.pre_rope_keys = true;
+  h.keys = KeyRope::pre;
   CodebookTraining how;
   how.iterations = 2;
   const std::string pre = testing::temp_dir() + "/pre.kvc", post = testing::temp_dir() + "/post.kvc";
   train_codebook(h, rows(2, 300, 32, 1), rows(2, 300, 32, 2), 300, how).save(pre);
   trained(4).save(post);
-  EXPECT_TRUE(KvCodebook::load(pre).header().pre_rope_keys);
+  EXPECT_EQ(KvCodebook::load(pre).header().keys, KeyRope::pre);
   EXPECT_NO_THROW(KvFormat::parse("pq2:keys=pre:book=" + pre).validate(shape, 32));
   EXPECT_NO_THROW(KvFormat::parse("k4vpq2:book=" + pre).validate(shape, 32));  // its keys are not pq
   const auto refused = [&](const std::string& text, const std::string& what) {
@@ -177,14 +177,15 @@ TEST(KvCodebook, KeysBeforeRopeMustMatchTheFormat) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
     }
   };
-  refused("pq2:book=" + pre, "learned on keys before RoPE; the format stores them after (keys=pre here");
-  refused("pq2:keys=pre:book=" + post, "learned on keys after RoPE; the format stores them before");
+  refused("pq2:book=" + pre, "learned on keys=pre rows; the format stores keys=post (keys=pre here");
+  refused("pq2:keys=pre:book=" + post, "learned on keys=post rows; the format stores keys=pre");
+  refused("pq2:keys=block:book=" + pre, "learned on keys=pre rows; the format stores keys=block");
   // The same tables in a version 1 file: no flags word, keys after RoPE.
   std::string v1 = read_bytes(post);
   v1.erase(8 + 56, 4);
   v1[8] = 1;
   const KvCodebook old = KvCodebook::load(write_bytes("v1.kvc", v1));
-  EXPECT_FALSE(old.header().pre_rope_keys);
+  EXPECT_EQ(old.header().keys, KeyRope::post);
   EXPECT_EQ(0, std::memcmp(old.table(0, 1, 1), KvCodebook::load(post).table(0, 1, 1), sizeof(float) * 4 * C));
 }
 

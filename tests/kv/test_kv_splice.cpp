@@ -19,7 +19,8 @@ namespace {
 
 const char* const kFormats[] = {"f32", "f16", "int8", "int8:kaxis=token", "k8v4", "int4", "int3", "int2",
                                 "int2:window=20:sink=3", "int4:rot=kv", "int3:rot=k", "k4v2:vgroup=8",
-                                "f32:keys=pre", "int4:keys=pre", "int2:window=20:sink=3:keys=pre:rot=v"};
+                                "f32:keys=pre", "int4:keys=pre", "int2:window=20:sink=3:keys=pre:rot=v",
+                                "f32:keys=block", "int4:keys=block", "k8v4:keys=block:rot=v"};
 
 // Raw (pre-RoPE) rows of one token stream, every layer.
 struct Stream {
@@ -206,7 +207,7 @@ TEST(KvSplice, ChainsTailsAndReleasesEveryBlock) {
   ThreadPool threads(2);
   const KvShape s{1, 4, 2, 16};
   const KvRope rope = make_rope(16, kernels::RopeStyle::neox);
-  for (const char* text : {"int4", "int4:keys=pre"}) {
+  for (const char* text : {"int4", "int4:keys=pre", "int4:keys=block"}) {
   const KvFormat f = KvFormat::parse(text);
   auto pool = KvPool::create(PoolConfig{s, 8, KvPool::arena_bytes_for(s, 8, f, 200, 8)});
   const Stream st = make_stream(s, 120, 3);
@@ -256,14 +257,18 @@ TEST(KvSplice, PreRopeKeysAttendAsTheirRotatedSelves) {
       Stream st = make_stream(s, 120, 5);
       for (auto& k : st.k)  // channels with a constant part, as real keys have: RoPE turns it into a sinusoid
         for (std::size_t i = 0; i < k.size(); ++i) k[i] += 3.0f * std::sin(static_cast<float>(i % 16));
-      PooledKvCache post(pool, KvFormat::parse("f32"), 256), pre(pool, KvFormat::parse("f32:keys=pre"), 256);
+      PooledKvCache post(pool, KvFormat::parse("f32"), 256), pre(pool, KvFormat::parse("f32:keys=pre"), 256),
+          rel(pool, KvFormat::parse("f32:keys=block"), 256);
       PooledKvCache q4post(pool, KvFormat::parse("int4"), 256), q4pre(pool, KvFormat::parse("int4:keys=pre"), 256);
-      for (PooledKvCache* c : {&post, &pre, &q4post, &q4pre}) c->set_attend_path(path);
+      for (PooledKvCache* c : {&post, &pre, &rel, &q4post, &q4pre}) c->set_attend_path(path);
       int first = 0;
       for (int n : {5, 20, 1, 1, 40, 1, 9}) {
         const auto a = write_pass(post, st, first, n, first, rope, threads);
         const auto b = write_pass(pre, st, first, n, first, rope, threads);
         ASSERT_LE(max_abs_diff(a, b), 1e-6f) << "path " << static_cast<int>(path) << " n=" << n;
+        // keys=block: rows turned by their offset in the block, queries back by the block's start.
+        const auto r = write_pass(rel, st, first, n, first, rope, threads);
+        ASSERT_LE(max_abs_diff(a, r), 1e-5f) << "keys=block path " << static_cast<int>(path) << " n=" << n;
         write_pass(q4post, st, first, n, first, rope, threads);
         write_pass(q4pre, st, first, n, first, rope, threads);
         first += n;
@@ -271,7 +276,14 @@ TEST(KvSplice, PreRopeKeysAttendAsTheirRotatedSelves) {
       std::vector<float> ka(static_cast<std::size_t>(first) * s.head_dim), kb(ka.size());
       post.read_rows(1, 0, 2, 0, first, ka.data());
       pre.read_rows(1, 0, 2, 0, first, kb.data());
-      for (std::size_t i = 0; i < ka.size(); ++i) ASSERT_NEAR(ka[i], kb[i], 1e-5f * (1.0f + std::abs(ka[i])));
+      std::vector<float> kr(ka.size());
+      rel.read_rows(1, 0, 2, 0, first, kr.data());
+      for (std::size_t i = 0; i < ka.size(); ++i) {
+        ASSERT_NEAR(ka[i], kb[i], 1e-5f * (1.0f + std::abs(ka[i])));
+        ASSERT_NEAR(ka[i], kr[i], 1e-5f * (1.0f + std::abs(ka[i])));
+      }
+      EXPECT_EQ(pool->info(rel.segments()[0].blocks[2]).flags, kBlockRelativeK);
+      EXPECT_EQ(pool->info(rel.segments()[0].blocks[2]).key_position, 16);
       std::vector<float> kc(ka.size()), kd(ka.size());
       q4post.read_rows(1, 0, 2, 0, first, kc.data());
       q4pre.read_rows(1, 0, 2, 0, first, kd.data());

@@ -89,7 +89,8 @@ TEST_F(PooledEngineTest, QuantizedFormatsTrackF32) {
   const auto top1 = [&](const std::vector<float>& l, std::size_t t) {
     return std::max_element(l.begin() + static_cast<long>(t * vocab), l.begin() + static_cast<long>((t + 1) * vocab)) - l.begin();
   };
-  for (const char* f : {"f16", "int8", "int4", "k8v4", "int2:window=32:sink=4", "int8:keys=pre", "int4:keys=pre"}) {
+  for (const char* f : {"f16", "int8", "int4", "k8v4", "int2:window=32:sink=4", "int8:keys=pre", "int4:keys=pre",
+                        "int8:keys=block", "int4:keys=block"}) {
     auto s = pooled_session(engine, f);
     const auto got = all_logits(engine, *s);
     std::size_t agree = 0;

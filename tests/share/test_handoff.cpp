@@ -58,7 +58,8 @@ class Handoff : public ::testing::Test {
 };
 
 TEST_F(Handoff, ContinuingIsIdenticalToTheProducerContinuingForEveryFormat) {
-  for (const char* format : {"f32", "f16", "int8", "int4", "k8v4", "int2:window=32:sink=4", "int4:rot=kv", "int4:keys=pre"}) {
+  for (const char* format : {"f32", "f16", "int8", "int4", "k8v4", "int2:window=32:sink=4", "int4:rot=kv", "int4:keys=pre",
+                             "int4:keys=block"}) {
     auto producer = produce(format);
     const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
     const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());

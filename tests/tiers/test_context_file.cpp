@@ -85,7 +85,7 @@ class ContextFile : public ::testing::Test {
 TEST_F(ContextFile, ImportedContextContinuesBitIdenticallyInAnotherPoolForEveryFormat) {
   const KeyCipher key = test_key(1);
   for (const char* format : {"f32", "f16", "int8", "int4", "int3", "k8v4", "int2:window=32:sink=4", "int4:rot=kv",
-                             "int4:keys=pre", "k8v4:rot=v:keys=pre"}) {
+                             "int4:keys=pre", "k8v4:rot=v:keys=pre", "int4:keys=block"}) {
     for (const BlockCipher* cipher : {static_cast<const BlockCipher*>(nullptr), static_cast<const BlockCipher*>(&key)}) {
       SCOPED_TRACE(std::string(format) + (cipher ? " encrypted" : " plain"));
       std::unique_ptr<Session> producer;
@@ -260,7 +260,7 @@ TEST(ContextVectors, CommittedFilesImportAndOpen) {
     const MappedFile file(testing::source_path(std::string("tests/data/contexts/") + name + ".qkvctx"));
     const ContextReader reader(file.bytes(), name);
     const bool pre = std::string(name) == "int4_keys_pre";
-    EXPECT_EQ(reader.meta().format.pre_rope_k, pre);
+    EXPECT_EQ(reader.meta().format.key_rope, pre ? KeyRope::pre : KeyRope::post);
     EXPECT_EQ(reader.meta().blocks[1].key_position, pre ? 32 : 0);
     const SealedContext sealed = import_sealed(*pool, reader, "A", &fp);
     const Descriptor d = pool->grant(sealed, "A", "B");

@@ -96,12 +96,14 @@ inline bool codes_values_ok(const TileCodes& t) noexcept {
          t.head_dim % 16 == 0;
 }
 
-// RoPE of decoded key rows stored before it (KvFormat keys=pre): row r
-// becomes x * C + partner(x) * S with table row r = [C: head_dim][S: head_dim]
-// (rope_table_row) and partner(x)[c] = x[c ^ 1] (interleaved pairs) or
-// x[(c + head_dim / 2) % head_dim] (neox halves); one fused multiply-add per
-// element, so every level gives the reference's bits.
-using TileRopeFn = void (*)(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style);
+// RoPE of decoded key rows stored before it (KvFormat keys=pre) or of
+// queries (keys=block): row r becomes x * C + partner(x) * S with
+// [C: head_dim][S: head_dim] = table + r * table_step (rope_table_row; a step
+// of 0 turns every row by the same angles) and partner(x)[c] = x[c ^ 1]
+// (interleaved pairs) or x[(c + head_dim / 2) % head_dim] (neox halves); one
+// fused multiply-add per element, so every level gives the reference's bits.
+using TileRopeFn = void (*)(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step,
+                            RopeStyle style);
 // The table row of position `pos` for TileRopeFn: C = cos of each channel's
 // pair angle, S = -sin for the first of a pair and +sin for the second
 // (kernels::rope_angles: the engine's own angles).
@@ -134,6 +136,6 @@ void code_scores_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, 
                      int nq, float* s, std::size_t s_stride);
 void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
                   int nq, float* o);
-void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, RopeStyle style);
+void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step, RopeStyle style);
 
 }  // namespace qkvshare::kernels

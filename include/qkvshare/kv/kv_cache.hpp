@@ -77,7 +77,7 @@ class KvCache {
   virtual void commit(int n) = 0;
 
   // Whether write() takes keys before RoPE (a cache that applies RoPE when it
-  // reads them: KvFormat::pre_rope_k); the engine then gives it the model's
+  // reads them: KvFormat::key_rope); the engine then gives it the model's
   // frequencies with set_rope() before each pass.
   virtual bool keys_before_rope() const noexcept { return false; }
   virtual void set_rope(const KvRope&) {}

@@ -12,7 +12,7 @@
 // calibration tokens, seed; 16 bytes of the model's fingerprint
 // (share/fingerprint.hpp: a codebook is only valid for the model it was
 // learned on); u64 XXH3-64 of the payload; from version 2 a u32 of flags
-// (bit 0: the keys were learned before RoPE, for keys=pre formats); then the payload: K tables, then V tables, each
+// (bits 0-1: KeyRope of the keys it was learned on, 1 pre, 2 block); then the payload: K tables, then V tables, each
 // [layer][kv head][sub-space][centroid][sub] f32.
 #include <array>
 #include <cstdint>
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "qkvshare/kv/kv_cache.hpp"
+#include "qkvshare/kv/kv_format.hpp"
 
 namespace qkvshare {
 
@@ -34,7 +35,7 @@ class KvCodebook {
     int n_layers = 0, n_kv_heads = 0, head_dim = 0, sub = 0;
     int calibration_tokens = 0;
     std::uint32_t seed = 0;
-    bool pre_rope_keys = false;  // learned on keys before RoPE (KvFormat::pre_rope_k)
+    KeyRope keys = KeyRope::post;  // how the keys it was learned on were stored (KvFormat::key_rope)
     std::array<std::uint8_t, 16> model{};  // ModelFingerprint::model
 
     // The header of a codebook for a model of KV shape `s`.
@@ -98,8 +99,8 @@ class KvCodebook {
 
 // Learns a codebook by k-means (Lloyd iterations from centroids drawn from the
 // rows, deterministic for a seed) on calibration rows: keys and values
-// [layer][token][kv_dim] f32, as the pool would store them (keys after RoPE, or
-// before it for a keys=pre codebook: Header::pre_rope_keys).
+// [layer][token][kv_dim] f32, as the pool would store them (keys after RoPE,
+// or as Header::keys says).
 struct CodebookTraining {
   int iterations = 12;
   std::uint32_t seed = 1;

@@ -33,6 +33,14 @@ class KvCodebook;
 
 enum class KvType : std::uint8_t { f32 = 0, f16 = 1, q8 = 2, q4 = 3, q3 = 4, q2 = 5, pq = 6 };
 enum class KvAxis : std::uint8_t { token = 0, channel = 1 };
+// How keys are stored against RoPE: as the engine rotated them (post), as the
+// projection computed them (pre: attention rotates each row to the position it
+// was computed at), or rotated by their offset inside their block only (block:
+// attention rotates the query back by each block's first position instead, so
+// the code kernels still read the tile). pre and block need each block's
+// first key position (BlockInfo::key_position).
+enum class KeyRope : std::uint8_t { post = 0, pre = 1, block = 2 };
+const char* key_rope_name(KeyRope r) noexcept;  // "post", "pre", "block"
 
 struct KvCodec {
   KvType type = KvType::f16;
@@ -95,11 +103,10 @@ struct KvFormat {
   int sink = 0;    // the first `sink` tokens stay hot (whole blocks)
   bool rotate_k = false;
   bool rotate_v = false;
-  // Keys stored as the projection computed them, before RoPE (KVQuant's
-  // pre-RoPE keys: their channels keep one scale over the positions, so codes
-  // and codebooks fit them better); attention applies RoPE at each row's
-  // computed position (BlockInfo::key_position) when it reads a tile.
-  bool pre_rope_k = false;
+  // keys=pre|block (KeyRope): keys stored before RoPE (KVQuant's pre-RoPE
+  // keys: a channel pair no longer turns with the position, which codebooks
+  // fit better), or before all but their in-block part of it.
+  KeyRope key_rope = KeyRope::post;
   // Importance-aware mixed precision (PooledKvCache::demote, when a context is
   // sealed or handed off): of the cold blocks, the `top` share that received
   // the most attention keeps k/v; the others are recoded to lo_k/lo_v.
@@ -143,7 +150,7 @@ struct KvFormat {
   // (X, Y in 32, 16, 8, 4, 3, 2, pq4, pq2, pq1), book=FILE (a codebook of
   // `qkvshare calibrate`, required by pq; FILE holds no ':'), and
   // options window=N, sink=N (tokens), kaxis=channel|token, kgroup=N,
-  // vgroup=N, rot=none|k|v|kv, keys=post|pre (pre: keys stored before RoPE), and lo=NAME:top=F (mixed precision: NAME an
+  // vgroup=N, rot=none|k|v|kv, keys=post|pre|block (KeyRope), and lo=NAME:top=F (mixed precision: NAME an
   // integer name as above, 0 < F < 1; vgroup applies to both precisions),
   // budget=F (token dropping, 0 < F < 1), rank=attention|recent (how both
   // choose their blocks), positions=keep|close (where kept blocks sit).

@@ -40,9 +40,11 @@ struct BlockRef {
 // Block flag bits.
 inline constexpr std::uint32_t kBlockRotatedK = 1u;
 inline constexpr std::uint32_t kBlockRotatedV = 2u;
-// Keys stored before RoPE (KvFormat::pre_rope_k): row r was computed at
-// position BlockInfo::key_position + r.
+// Keys stored before RoPE (keys=pre), or rotated by their offset r in the
+// block only (keys=block); row r was computed at position
+// BlockInfo::key_position + r. The flag bits are KeyRope << 2.
 inline constexpr std::uint32_t kBlockPreRopeK = 4u;
+inline constexpr std::uint32_t kBlockRelativeK = 8u;
 
 // Told about every block reference this process takes or drops through a
 // pool (allocate/retain/try_retain, release), so that a shared pool can give

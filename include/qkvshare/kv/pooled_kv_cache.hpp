@@ -118,7 +118,7 @@ class PooledKvCache final : public KvCache {
   std::unique_ptr<PooledKvCache> tail_context() const;
   int tail_begin() const noexcept { return base_; }
   void set_rope(const KvRope& rope) override;
-  bool keys_before_rope() const noexcept override { return format_.pre_rope_k; }
+  bool keys_before_rope() const noexcept override { return format_.key_rope != KeyRope::post; }
 
   // Decoded rows (f32, [count][head_dim], Hadamard-rotated as stored when the
   // format rotates) of one layer, kind (0 K, 1 V) and KV head for the
@@ -187,7 +187,7 @@ class PooledKvCache final : public KvCache {
   // keys=pre: the RoPE rows of every position up to the largest one read
   // (kv/rope_table.hpp, shared by the process's caches); held until the next plan needs more.
   mutable std::shared_ptr<const kv::RopeTable> rope_table_;
-  const float* rope_table(int end_position) const;
+  const float* rope_table(int end_position, bool inverse = false) const;
   std::unique_ptr<Step> step_;
   AttendPath path_ = AttendPath::automatic;
   PassPrecision pass_precision_ = default_pass_precision();
