@@ -69,8 +69,8 @@ def short_name(fmt):
             out += ":" + p
         elif p.startswith(("window", "sink")) and "+w" not in out:
             out += "+w"
-        elif p == "keys=pre":
-            out += "+pre"
+        elif p in ("keys=pre", "keys=block"):
+            out += "+" + p[len("keys="):]
     return out
 
 
