@@ -13,4 +13,8 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DQKVSHARE_BUILD_BENCH=OFF >&2
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target qkvshare test_core test_kernels test_kv test_engine >&2
 file "$BUILD_DIR/src/cli/qkvshare" | grep -q 'ARM aarch64' || { echo "[aarch64] not an ARM64 binary" >&2; exit 1; }
-ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)" -L emulation
+# A test that hangs under the emulator gets 300 s and one more try: once (2026-12-02), with the
+# stage's two tests at a time, ThreadPool.ManyShortCallsAsInDecoding stopped with both threads in
+# futex waits under qemu-user and no load; alone it passed 20 of 20 times, natively and under TSan it
+# never did. A second failure still fails the stage.
+ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)" -L emulation --timeout 300 --repeat until-pass:2

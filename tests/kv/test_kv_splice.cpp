@@ -265,7 +265,7 @@ TEST(KvSplice, PreRopeKeysAttendAsTheirRotatedSelves) {
       for (int n : {5, 20, 1, 1, 40, 1, 9}) {
         const auto a = write_pass(post, st, first, n, first, rope, threads);
         const auto b = write_pass(pre, st, first, n, first, rope, threads);
-        ASSERT_LE(max_abs_diff(a, b), 1e-6f) << "path " << static_cast<int>(path) << " n=" << n;
+        ASSERT_LE(max_abs_diff(a, b), 1e-5f) << "path " << static_cast<int>(path) << " n=" << n;
         // keys=block: rows turned by their offset in the block, queries back by the block's start.
         const auto r = write_pass(rel, st, first, n, first, rope, threads);
         ASSERT_LE(max_abs_diff(a, r), 1e-5f) << "keys=block path " << static_cast<int>(path) << " n=" << n;

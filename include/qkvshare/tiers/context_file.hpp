@@ -30,7 +30,7 @@
 
 namespace qkvshare {
 
-// 2: block entries carry the position of a keys=pre block's first key (version 1 files are read too).
+// 2: block entries carry the position of a keys=pre/block block's first key (version 1 files are read too).
 inline constexpr std::uint16_t kContextFileVersion = 2;
 inline constexpr std::size_t kContextHeaderBytes = 128;
 inline constexpr std::size_t kContextPayloadAlign = 64;
@@ -58,8 +58,8 @@ struct ContextSegment {
 
 struct ContextBlock {
   KvCodec k, v;
-  std::uint32_t flags = 0;  // kBlockRotatedK / kBlockRotatedV / kBlockPreRopeK
-  std::int32_t key_position = 0;  // kBlockPreRopeK: where row 0's key was computed (BlockInfo); else 0
+  std::uint32_t flags = 0;  // kBlockRotatedK / kBlockRotatedV / kBlockPreRopeK / kBlockRelativeK
+  std::int32_t key_position = 0;  // keys=pre/block blocks: where row 0's key was computed (BlockInfo); else 0
   std::uint32_t fill = 0;   // tokens stored in the block
   std::uint64_t checksum = 0;        // XXH3-64 of the canonical plaintext (filled by the writer)
   std::uint64_t payload_offset = 0;  // from the start of the bytes (filled by the writer)
