@@ -29,7 +29,7 @@ class SegmentAttend final : public AttendWork {
     std::vector<const std::byte*> tiles;
     std::vector<KvCodec> codecs;
     std::vector<float> q;  // the rotated query, when the offset is not 0
-    std::vector<int> pos;  // keys=pre: each block's key position
+    std::vector<int> pos;  // keys=pre|block: each block's key position
   };
   std::vector<Part> parts;
   std::size_t used = 0;  // parts of the current plan
@@ -211,6 +211,15 @@ void PooledKvCache::set_rope(const KvRope& rope) {
   if (rope.inv_freq == rope_.inv_freq && rope.style == rope_.style) return;
   rope_ = rope;
   rope_table_.reset();
+}
+
+void PooledKvCache::set_key_rope(kv::AttendInput& in, const int* positions, const float* table,
+                                 const float* inverse) const {
+  in.k_positions = positions;
+  in.rope_table = table;
+  in.rope_inverse = inverse;
+  in.keys_relative = format_.key_rope == KeyRope::block;
+  in.rope_style = rope_.style;
 }
 
 const float* PooledKvCache::rope_table(int end_position, bool inverse) const {
@@ -439,11 +448,7 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   in.layer = layer;
   if (format_.key_rope != KeyRope::post) {
     const int end = *std::max_element(step_->view_pos.begin(), step_->view_pos.end()) + pool_->block_tokens();
-    in.k_positions = step_->view_pos.data();
-    in.rope_table = rope_table(end);
-    in.rope_inverse = rope_table(end, true);
-    in.keys_relative = format_.key_rope == KeyRope::block;
-    in.rope_style = rope_.style;
+    set_key_rope(in, step_->view_pos.data(), rope_table(end), rope_table(end, true));
   }
   if (!attend_work_) attend_work_ = std::make_unique<kv::BlockAttend>();
   attend_work_->prepare(in, path_);
@@ -529,13 +534,7 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
     in.rotate_v = format_.rotate_v;
     in.book = format_.book.get();
     in.layer = layer;
-    if (format_.key_rope != KeyRope::post) {
-      in.k_positions = part.pos.data();
-      in.rope_table = table;
-      in.rope_inverse = inverse;
-      in.keys_relative = format_.key_rope == KeyRope::block;
-      in.rope_style = rope_.style;
-    }
+    if (format_.key_rope != KeyRope::post) set_key_rope(in, part.pos.data(), table, inverse);
     in.out_ml = &w.ml[si * w.slots * 2];
     in.out_o = &w.po[si * w.slots * static_cast<std::size_t>(D)];
     if (tail) {

@@ -33,6 +33,7 @@ namespace kv {
 class BlockAttend;
 class SegmentAttend;
 class RopeTable;
+struct AttendInput;
 }
 
 // A token range of a run of blocks: `tokens` tokens starting at row
@@ -188,6 +189,8 @@ class PooledKvCache final : public KvCache {
   // (kv/rope_table.hpp, shared by the process's caches); held until the next plan needs more.
   mutable std::shared_ptr<const kv::RopeTable> rope_table_;
   const float* rope_table(int end_position, bool inverse = false) const;
+  // keys=pre|block: an attention input's key positions per block and the rows that turn them there.
+  void set_key_rope(kv::AttendInput& in, const int* positions, const float* table, const float* inverse) const;
   std::unique_ptr<Step> step_;
   AttendPath path_ = AttendPath::automatic;
   PassPrecision pass_precision_ = default_pass_precision();
