@@ -43,7 +43,8 @@ class PooledEngineTest : public ::testing::Test {
 // portable kernels the logits are the dense engine's bits. The SIMD ISAs
 // compute one head's attention in a single kernel over contiguous keys, which
 // blocks cannot call, so there the two agree to float rounding.
-void expect_same_logits(const std::vector<float>& want, std::span<const float> got, bool bitwise, const char* what) {
+void expect_same_logits(const std::vector<float>& want, std::span<const float> got, bool bitwise, const char* what,
+                        float tolerance = 2e-5f) {
   ASSERT_EQ(want.size(), got.size());
   if (bitwise) {
     EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << what;
@@ -51,7 +52,7 @@ void expect_same_logits(const std::vector<float>& want, std::span<const float> g
   }
   float worst = 0.0f;
   for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(want[i] - got[i]));
-  EXPECT_LE(worst, 2e-5f) << what;
+  EXPECT_LE(worst, tolerance) << what;
 }
 
 TEST_F(PooledEngineTest, F32PoolLogitsMatchTheDenseEngine) {
@@ -64,17 +65,18 @@ TEST_F(PooledEngineTest, F32PoolLogitsMatchTheDenseEngine) {
       auto dense = engine.new_session();
       const auto want = all_logits(engine, *dense);
       auto pooled = pooled_session(engine, "f32");
-      // Keys stored before RoPE, rotated when read: the same keys, to float rounding.
+      // Keys stored before RoPE, rotated when read: the same keys, to float rounding (one more
+      // rotation's worth: 2.05e-5 measured in the unoptimised ASan build).
       auto pre = pooled_session(engine, "f32:keys=pre");
       expect_same_logits(want, engine.forward(*pooled, ids_, true), bitwise, "prefill");
-      expect_same_logits(want, engine.forward(*pre, ids_, true), false, "prefill, keys=pre");
+      expect_same_logits(want, engine.forward(*pre, ids_, true), false, "prefill, keys=pre", 1e-4f);
       // Decoding on, token by token.
       for (TokenId t : {5, 77, 300}) {
         const std::vector<TokenId> one{t};
         const auto a = engine.forward(*dense, one);
         const std::vector<float> av(a.begin(), a.end());
         expect_same_logits(av, engine.forward(*pooled, one), bitwise, "decode");
-        expect_same_logits(av, engine.forward(*pre, one), false, "decode, keys=pre");
+        expect_same_logits(av, engine.forward(*pre, one), false, "decode, keys=pre", 1e-4f);
       }
     }
   }
