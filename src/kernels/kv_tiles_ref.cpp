@@ -93,15 +93,15 @@ void rope_table_row(float pos, const float* inv_freq, int head_dim, RopeStyle st
 
 void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step, RopeStyle style) {
   const int half = head_dim / 2;
-  std::vector<float> x(static_cast<std::size_t>(head_dim));
+  float x[kTileMaxHeadDim];  // the row before it turns (this is the portable level's kernel: no allocation)
   for (int r = 0; r < n_rows; ++r) {
     float* row = rows + static_cast<std::ptrdiff_t>(r) * head_dim;
     const float* C = table + r * table_step;
     const float* S = C + head_dim;
-    std::copy(row, row + head_dim, x.begin());
+    std::copy(row, row + head_dim, x);
     for (int c = 0; c < head_dim; ++c) {
       const int p = style == RopeStyle::interleaved ? c ^ 1 : (c + half) % head_dim;
-      row[c] = std::fma(x[static_cast<std::size_t>(c)], C[c], x[static_cast<std::size_t>(p)] * S[c]);
+      row[c] = std::fma(x[c], C[c], x[p] * S[c]);
     }
   }
 }

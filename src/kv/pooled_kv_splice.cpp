@@ -88,16 +88,14 @@ void PooledKvCache::read_rows(int layer, int kind, int kv_head, int first, int c
       const KvCodec& c = kind == 0 ? info.k : info.v;
       kv::decode_tile_scalar(c, tile_layout(c, T, D), pool_->tile(ref, kind, layer, kv_head), r + take, tile.data(),
                              kv::codebook_slice(format_, c, kind, layer, kv_head));
-      if (kind == 0 && (info.flags & kBlockPreRopeK) != 0) {  // the keys as attention reads them
+      // The keys as attention reads them: each row turned to its own position (keys=pre), or all of
+      // a block's rows by its first position, the rest being stored (keys=block).
+      const bool pre = (info.flags & kBlockPreRopeK) != 0, relative = (info.flags & kBlockRelativeK) != 0;
+      if (kind == 0 && (pre || relative)) {
         const float* table = rope_table(info.key_position + T);
         kernels::tile_kernels().rope(&tile[static_cast<std::size_t>(r) * D], take, D,
-                                     table + static_cast<std::ptrdiff_t>(info.key_position + r) * 2 * D, 2 * D,
-                                     rope_.style);
-      }
-      if (kind == 0 && (info.flags & kBlockRelativeK) != 0) {  // the rest of their RoPE: the block's first position
-        const float* table = rope_table(info.key_position + 1);
-        kernels::tile_kernels().rope(&tile[static_cast<std::size_t>(r) * D], take, D,
-                                     table + static_cast<std::ptrdiff_t>(info.key_position) * 2 * D, 0, rope_.style);
+                                     table + static_cast<std::ptrdiff_t>(info.key_position + (pre ? r : 0)) * 2 * D,
+                                     pre ? 2 * D : 0, rope_.style);
       }
       std::memcpy(out + static_cast<std::ptrdiff_t>(i - first) * D, &tile[static_cast<std::size_t>(r) * D],
                   sizeof(float) * static_cast<std::size_t>(take) * static_cast<std::size_t>(D));
