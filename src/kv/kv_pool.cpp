@@ -1,6 +1,9 @@
 // Allocation, reference counting and addressing in a formatted pool arena.
 #include <cstring>
 #include <mutex>
+#include <thread>
+
+#include <xxhash.h>
 
 #include "kv_pool_layout.hpp"
 
@@ -106,6 +109,9 @@ void KvPool::drop(BlockRef ref) {
     if (b.refcount.compare_exchange_weak(r, r - 1, std::memory_order_acq_rel)) return;
   std::lock_guard lock(*lock_);
   if (b.refcount.fetch_sub(1, std::memory_order_acq_rel) != 1) return;  // a try_retain() came in between
+  // This process's background checksum may be reading the block: its pages
+  // stay until it is done (one block's hash at most).
+  while (hashing_.load(std::memory_order_acquire) == ref.index) std::this_thread::yield();
   Header& h = header();
   std::uint32_t* next = page_next();
   const std::uint32_t* pages = b.pages();
@@ -172,6 +178,67 @@ BlockInfo KvPool::info(BlockRef ref) const {
 void KvPool::set_fill(BlockRef ref, int fill) {
   QKV_CHECK(fill >= 0 && fill <= block_tokens_);
   checked(ref).fill = static_cast<std::uint32_t>(fill);
+}
+
+namespace {
+std::uint64_t checksum_tag(BlockRef ref) noexcept { return std::uint64_t{ref.generation} << 32 | 1u; }
+}  // namespace
+
+std::uint64_t KvPool::hash_tiles(const BlockHeader& b, BlockRef ref) const {
+  const std::uint32_t codecs[2] = {b.k_codec, b.v_codec};
+  XXH3_state_t* st = XXH3_createState();
+  if (st == nullptr) fail(ErrorCode::out_of_memory, "cannot allocate a hash state");
+  XXH3_64bits_reset(st);
+  XXH3_64bits_update(st, codecs, sizeof codecs);
+  for (int kind = 0; kind < 2; ++kind) {
+    const std::size_t bytes = tile_layout(KvCodec::unpack(codecs[kind]), block_tokens_, shape_.head_dim).bytes;
+    for (int l = 0; l < shape_.n_layers; ++l)
+      for (int h = 0; h < shape_.n_kv_heads; ++h) XXH3_64bits_update(st, tile(ref, kind, l, h), bytes);
+  }
+  const std::uint64_t d = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return d;
+}
+
+std::uint64_t KvPool::compute_checksum(BlockRef ref) const { return hash_tiles(checked(ref), ref); }
+
+void KvPool::keep_checksum_if_live(BlockRef ref) noexcept {
+  if (ref.index >= n_blocks_) return;
+  BlockHeader& b = block(ref.index);
+  const std::uint64_t tag = checksum_tag(ref);
+  try {
+    {
+      // Under the lock, so that a last release either came first (the block
+      // is gone) or will see hashing_ and wait for the hash to end.
+      std::lock_guard lock(*lock_);
+      if (b.refcount.load(std::memory_order_acquire) == 0 ||
+          b.generation.load(std::memory_order_acquire) != ref.generation ||
+          static_cast<int>(b.fill) != block_tokens_ || b.checksum_tag.load(std::memory_order_acquire) == tag)
+        return;
+      hashing_.store(ref.index, std::memory_order_release);
+    }
+    b.checksum.store(hash_tiles(b, ref), std::memory_order_relaxed);
+    b.checksum_tag.store(tag, std::memory_order_release);
+  } catch (...) {
+    // Left to the seal that needs it.
+  }
+  hashing_.store(kNil, std::memory_order_release);
+}
+
+std::uint64_t KvPool::checksum(BlockRef ref) const {
+  BlockHeader& b = checked(ref);
+  const std::uint64_t tag = checksum_tag(ref);
+  if (b.checksum_tag.load(std::memory_order_acquire) == tag) return b.checksum.load(std::memory_order_relaxed);
+  const std::uint64_t d = compute_checksum(ref);
+  if (static_cast<int>(b.fill) == block_tokens_) {  // full: its bytes are final
+    b.checksum.store(d, std::memory_order_relaxed);
+    b.checksum_tag.store(tag, std::memory_order_release);
+  }
+  return d;
+}
+
+bool KvPool::checksum_kept(BlockRef ref) const {
+  return checked(ref).checksum_tag.load(std::memory_order_acquire) == checksum_tag(ref);
 }
 
 std::byte* KvPool::tile(BlockRef ref, int kind, int layer, int head) const {

@@ -118,7 +118,7 @@ std::shared_ptr<KvPool> KvPool::attach(std::unique_ptr<Arena> arena, std::unique
 
 void KvPool::bind() {
   static_assert(sizeof(Header) <= kHeaderBytes);
-  static_assert(sizeof(BlockHeader) == 40);  // the stride in kv_pool_layout.hpp
+  static_assert(sizeof(BlockHeader) == kBlockHeaderBytes);  // the stride in kv_pool_layout.hpp
   const Header& h = header();
   shape_ = KvShape{static_cast<int>(h.n_layers), static_cast<int>(h.n_heads), static_cast<int>(h.n_kv_heads),
                    static_cast<int>(h.head_dim)};

@@ -21,6 +21,7 @@ namespace kv_pool_detail {
 inline constexpr char kMagic[8] = {'Q', 'K', 'V', 'P', 'O', 'O', 'L', '1'};
 inline constexpr std::size_t kHeaderBytes = 4096;
 inline constexpr std::uint32_t kNil = 0xffffffffu;
+inline constexpr std::size_t kBlockHeaderBytes = 56;  // sizeof(KvPool::BlockHeader), before its page list
 
 inline std::size_t round_up(std::size_t x, std::size_t a) { return (x + a - 1) / a * a; }
 
@@ -51,7 +52,7 @@ inline Geometry geometry_of(const KvShape& s, int block_tokens) {
   const KvCodec q2{KvType::q2, KvAxis::channel, 0}, pq1{KvType::pq, KvAxis::token, 8};
   g.min_pages = 2 * std::min(kind_pages(tile_layout(q2, block_tokens, s.head_dim), g.page_bytes, tiles),
                              kind_pages(tile_layout(pq1, block_tokens, s.head_dim), g.page_bytes, tiles));
-  g.block_stride = round_up(40 + 4 * static_cast<std::size_t>(g.max_pages), 64);
+  g.block_stride = round_up(kBlockHeaderBytes + 4 * static_cast<std::size_t>(g.max_pages), 64);
   return g;
 }
 
@@ -89,6 +90,10 @@ struct KvPool::BlockHeader {
   std::uint32_t k_codec, v_codec, flags, fill, n_pages, next_free;
   std::int32_t key_position;  // BlockInfo::key_position
   std::uint32_t reserved;
+  // A full block's checksum, kept once computed (KvPool::checksum): valid
+  // while checksum_tag == generation << 32 | 1 (a freed block's generation moves on).
+  std::atomic<std::uint64_t> checksum_tag;
+  std::atomic<std::uint64_t> checksum;
   std::uint32_t* pages() noexcept { return reinterpret_cast<std::uint32_t*>(this + 1); }
 };
 

@@ -10,6 +10,7 @@
 #include "rope_table.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kernels/kv_tiles.hpp"
+#include "qkvshare/kv/block_checksums.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 
 namespace qkvshare {
@@ -555,7 +556,9 @@ void PooledKvCache::commit(int n) {
   QKV_CHECK(step_ && step_->n == n && step_->next_layer == shape().n_layers);
   const int T = pool_->block_tokens();
   for (const Step::Work& w : step_->work) {
-    pool_->set_fill(w.dst, std::clamp(size_ - base_ + n - w.block * T, 0, T));
+    const int fill = std::clamp(size_ - base_ + n - w.block * T, 0, T);
+    pool_->set_fill(w.dst, fill);
+    if (fill == T) kv::checksum_later(pool_, w.dst);  // final from now on: seal will find its checksum kept
     if (w.fresh && w.src.valid()) pool_->release(w.src);
   }
   if (step_->obs_rows > 0) {

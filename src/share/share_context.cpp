@@ -168,16 +168,12 @@ SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<con
   const int T = pool->block_tokens();
   std::vector<BlockRef> blocks;
   std::vector<SegmentEntry> segs;
-  std::vector<char> whole;  // a table entry's block has every row written: its checksum can be cached
   for (const KvSegment& seg : cache.segments()) {
     if (seg.tokens == 0) continue;
     segs.push_back(SegmentEntry{static_cast<std::uint32_t>(blocks.size()), static_cast<std::uint32_t>(seg.blocks.size()),
                                 static_cast<std::uint32_t>(seg.first_row), static_cast<std::uint32_t>(seg.tokens),
                                 seg.position_offset, 0});
-    for (std::size_t j = 0; j < seg.blocks.size(); ++j) {
-      blocks.push_back(seg.blocks[j]);
-      whole.push_back(seg.first_row + seg.tokens >= static_cast<int>(j + 1) * T);
-    }
+    blocks.insert(blocks.end(), seg.blocks.begin(), seg.blocks.end());
   }
   if (segs.size() > kMaxRecordSegments || blocks.size() > reg.layout().max_blocks)
     fail(ErrorCode::unsupported, "seal: {} segments over {} blocks exceed a record's {} segments and {} blocks",
@@ -185,25 +181,15 @@ SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<con
   if (segs.front().position_offset > 0)
     fail(ErrorCode::unsupported, "seal: the context's first segment sits after the position its keys were rotated at");
 
-  // Checksums, outside the lock: the cache holds every block, and full blocks
-  // never change, so each is hashed once per generation and cached.
-  BlockSum* sums = reg.sums();
+  // Checksums, outside the lock: the cache holds every block. A full block's
+  // was kept when it filled (KvPool::checksum, computed in the background);
+  // only the partly filled tail, and blocks the background has not reached,
+  // are hashed here.
   std::vector<std::uint64_t> digests(blocks.size());
   std::vector<TableEntry> table(blocks.size());
   for (std::size_t b = 0; b < blocks.size(); ++b) {
-    const BlockRef ref = blocks[b];
-    table[b] = TableEntry{ref.index, ref.generation};
-    const bool full = whole[b] && ref.index < hd.ledger_blocks;
-    const std::uint64_t tag = std::uint64_t{ref.generation} << 32 | 1u;
-    if (full && sums[ref.index].tag.load(std::memory_order_acquire) == tag) {
-      digests[b] = sums[ref.index].hash.load(std::memory_order_relaxed);
-      continue;
-    }
-    digests[b] = hash_block(*pool, ref);
-    if (full) {
-      sums[ref.index].hash.store(digests[b], std::memory_order_relaxed);
-      sums[ref.index].tag.store(tag, std::memory_order_release);
-    }
+    table[b] = TableEntry{blocks[b].index, blocks[b].generation};
+    digests[b] = pool->checksum(blocks[b]);
   }
   const KvFormat& f = cache.format();
   const bool keep_text = text.size() <= impl_->reg->layout().text_bytes;

@@ -36,7 +36,6 @@ class Registry final : public RefLedger {
   TokenId* tokens(std::uint32_t record) const noexcept;
   char* text(std::uint32_t record) const noexcept;
   std::atomic<std::uint32_t>* ledger_row(std::uint32_t slot) const noexcept;
-  BlockSum* sums() const noexcept;
 
   const std::shared_ptr<ShmRegion>& region() const noexcept { return region_; }
   const Layout& layout() const noexcept { return layout_; }
@@ -96,7 +95,6 @@ class Unledgered {
 std::uint64_t monotonic_ns() noexcept;
 std::uint64_t unix_ns() noexcept;
 // XXH3-64 over every tile of a block (codecs included).
-std::uint64_t hash_block(const KvPool& pool, BlockRef ref);
 // XXH3-64 over the blocks' digests: what a descriptor's blocks checksum says.
 std::uint64_t full_checksum(const KvPool& pool, const std::vector<BlockRef>& blocks);
 

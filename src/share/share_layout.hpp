@@ -9,7 +9,6 @@
 //   [record data x max_contexts]           block table, segment table, token ids, text
 //   --- formatted by the first model that uses the region ---
 //   [ledger: max_processes x ledger_blocks x u32]   references each process holds
-//   [block sums: ledger_blocks x {tag, hash}]       seal-time checksums of full blocks
 //   [KvPool arena]                                   (kv/kv_pool.hpp; unchanged)
 //
 // Offsets, never pointers. Everything but the atomics and the heartbeat is
@@ -24,7 +23,8 @@
 namespace qkvshare::share_detail {
 
 inline constexpr char kShareMagic[8] = {'Q', 'K', 'V', 'S', 'H', 'A', 'R', 'E'};
-inline constexpr std::uint32_t kShareVersion = 3;  // 2: grants record their holder process; 3: segment tables
+inline constexpr std::uint32_t kShareVersion = 4;  // 2: grants record their holder process; 3: segment tables;
+                                                   // 4: block checksums kept in the KV pool, not here
 inline constexpr std::size_t kShareHeaderBytes = 4096;
 inline constexpr std::uint32_t kNone = 0xffffffffu;
 inline constexpr std::size_t kSecretBytes = 32;
@@ -46,7 +46,7 @@ struct ShareHeader {
   // Written once, under the mutex, by the first model (kv_state 0 -> 1).
   std::atomic<std::uint32_t> kv_state;
   std::uint32_t ledger_blocks;
-  std::uint64_t ledger_offset, sums_offset, pool_offset, pool_bytes;
+  std::uint64_t ledger_offset, pool_offset, pool_bytes;
   std::uint64_t next_context_id;
   std::atomic<std::uint64_t> last_reap_ns;
   std::atomic<std::uint32_t> ready;  // stored last by the creator
@@ -125,12 +125,6 @@ static_assert(sizeof(SegmentEntry) == 24);
 // block, hence two table entries more per segment than whole blocks.
 inline constexpr std::uint32_t kMaxRecordSegments = kMaxContextSegments;
 
-// A full block's checksum, cached by (index, generation) so that sealing a
-// context that extends an earlier one hashes only the new blocks.
-struct BlockSum {
-  std::atomic<std::uint64_t> tag;  // generation << 32 | 1, 0 when empty
-  std::atomic<std::uint64_t> hash;
-};
 
 // Geometry that follows from the configuration alone.
 struct Layout {

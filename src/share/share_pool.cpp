@@ -104,9 +104,8 @@ Layout validate_region(const ShmRegion& region) {
     fail(ErrorCode::io, "pool '{}': registry geometry is inconsistent", name);
   if (h.kv_state.load(std::memory_order_acquire) != 0) {
     const std::uint64_t nb = h.ledger_blocks;
-    const std::uint64_t sums = round_up(l.dynamic + std::uint64_t{h.max_processes} * nb * 4, 64);
-    const std::uint64_t pool = round_up(sums + nb * sizeof(BlockSum), 4096);
-    if (nb == 0 || nb > (1u << 28) || h.ledger_offset != l.dynamic || h.sums_offset != sums ||
+    const std::uint64_t pool = round_up(l.dynamic + std::uint64_t{h.max_processes} * nb * 4, 4096);
+    if (nb == 0 || nb > (1u << 28) || h.ledger_offset != l.dynamic ||
         h.pool_offset != pool || pool >= region.size() || h.pool_bytes != region.size() - pool)
       fail(ErrorCode::io, "pool '{}': KV arena geometry is inconsistent", name);
   }
@@ -183,7 +182,7 @@ bool same_shape(const KvShape& a, const KvShape& b) {
   return a.n_layers == b.n_layers && a.n_heads == b.n_heads && a.n_kv_heads == b.n_kv_heads && a.head_dim == b.head_dim;
 }
 
-// Lays out [ledger][block sums][KvPool arena] in the dynamic part. The
+// Lays out [ledger][KvPool arena] in the dynamic part. The
 // ledger's size depends on the pool's block count, which depends on the
 // arena's size: format once over everything to learn the count, then again
 // in what the ledger leaves (which can only hold fewer blocks).
@@ -197,8 +196,7 @@ void format_kv_locked(Registry& reg, const KvShape& shape) {
     auto probe = KvPool::create(config, std::make_unique<SubArena>(nullptr, region.data() + dyn, size - dyn));
     nb = probe->counters().blocks_total;
   }
-  const std::uint64_t sums = round_up(dyn + std::uint64_t{h.max_processes} * nb * 4, 64);
-  const std::uint64_t pool_offset = round_up(sums + nb * sizeof(BlockSum), 4096);
+  const std::uint64_t pool_offset = round_up(dyn + std::uint64_t{h.max_processes} * nb * 4, 4096);
   if (pool_offset + 4096 >= size)
     fail(ErrorCode::out_of_memory, "pool '{}' of {} bytes has no room for KV after its ledgers", region.name(), size);
   auto lock = std::make_unique<RobustPoolLock>();
@@ -211,7 +209,6 @@ void format_kv_locked(Registry& reg, const KvShape& shape) {
   std::memset(region.data() + dyn, 0, pool_offset - dyn);
   h.ledger_blocks = static_cast<std::uint32_t>(nb);
   h.ledger_offset = dyn;
-  h.sums_offset = sums;
   h.pool_offset = pool_offset;
   h.pool_bytes = size - pool_offset;
   h.kv_state.store(1, std::memory_order_release);

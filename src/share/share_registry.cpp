@@ -131,30 +131,11 @@ std::atomic<std::uint32_t>* Registry::ledger_row(std::uint32_t slot) const noexc
   return reinterpret_cast<std::atomic<std::uint32_t>*>(region_->data() + h.ledger_offset) +
          std::uint64_t{slot} * h.ledger_blocks;
 }
-BlockSum* Registry::sums() const noexcept { return reinterpret_cast<BlockSum*>(region_->data() + header().sums_offset); }
-
-std::uint64_t hash_block(const KvPool& pool, BlockRef ref) {
-  const BlockInfo info = pool.info(ref);
-  const KvShape& s = pool.shape();
-  XXH3_state_t* st = XXH3_createState();
-  if (st == nullptr) fail(ErrorCode::out_of_memory, "cannot allocate a hash state");
-  XXH3_64bits_reset(st);
-  const std::uint32_t codecs[2] = {info.k.pack(), info.v.pack()};
-  XXH3_64bits_update(st, codecs, sizeof codecs);
-  for (int kind = 0; kind < 2; ++kind) {
-    const std::size_t bytes = tile_layout(kind == 0 ? info.k : info.v, pool.block_tokens(), s.head_dim).bytes;
-    for (int l = 0; l < s.n_layers; ++l)
-      for (int h = 0; h < s.n_kv_heads; ++h) XXH3_64bits_update(st, pool.tile(ref, kind, l, h), bytes);
-  }
-  const std::uint64_t d = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
-  return d;
-}
 
 std::uint64_t full_checksum(const KvPool& pool, const std::vector<BlockRef>& blocks) {
   std::vector<std::uint64_t> digests;
   digests.reserve(blocks.size());
-  for (BlockRef b : blocks) digests.push_back(hash_block(pool, b));
+  for (BlockRef b : blocks) digests.push_back(pool.compute_checksum(b));
   return XXH3_64bits(digests.data(), digests.size() * sizeof(std::uint64_t));
 }
 

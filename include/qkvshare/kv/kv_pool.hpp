@@ -10,7 +10,7 @@
 //
 //   [PoolHeader, 4 KiB: magic, version, geometry, free-list heads, counters, lock area]
 //   [BlockHeader x n_blocks: refcount (atomic), generation (atomic), K/V codec,
-//    flags, fill, page count, free link, key position, page indices]
+//    flags, fill, page count, free link, key position, kept checksum, page indices]
 //   [page free links: u32 x n_pages]
 //   [pages: n_pages x page_bytes]
 //
@@ -82,7 +82,7 @@ struct BlockInfo {
 
 class KvPool {
  public:
-  static constexpr std::uint32_t kVersion = 2;  // 2: block headers carry key_position
+  static constexpr std::uint32_t kVersion = 3;  // 2: block headers carry key_position; 3: and a kept checksum
   static constexpr std::size_t kLockAreaBytes = 256;
 
   // Formats `arena` as an empty pool. Throws Error(invalid_argument) when the
@@ -130,6 +130,22 @@ class KvPool {
 
   BlockInfo info(BlockRef ref) const;
   void set_fill(BlockRef ref, int fill);
+
+  // A block's checksum: XXH3-64 of its codecs and tiles, what a sealed
+  // context's blocks checksum is made of. A full block (fill ==
+  // block_tokens) never changes again, so its checksum is computed once and
+  // kept in its header, where every process that maps the pool finds it;
+  // a partly filled block's is computed each time. PooledKvCache has each
+  // block it fills checksummed in the background (kv/block_checksums.hpp),
+  // so sealing a context finds its checksums kept: O(1) per block.
+  std::uint64_t checksum(BlockRef ref) const;
+  // Always from the bytes, never the kept value (what verifying a handoff reads).
+  std::uint64_t compute_checksum(BlockRef ref) const;
+  bool checksum_kept(BlockRef ref) const;
+  // The background thread's call: keeps ref's checksum if the block is still
+  // live and full, without taking a reference (which others would see in the
+  // counts); this process's last release of the block waits for the hash to end.
+  void keep_checksum_if_live(BlockRef ref) noexcept;
   // Tile of `kind` (0 = K, 1 = V) for one layer and KV head of a block.
   std::byte* tile(BlockRef ref, int kind, int layer, int head) const;
   // Bytes of a block's pages.
@@ -160,6 +176,8 @@ class KvPool {
   std::size_t page_bytes_ = 0;
   std::uint32_t n_pages_ = 0, n_blocks_ = 0, max_pages_ = 0;
   std::size_t block_stride_ = 0, blocks_offset_ = 0, page_next_offset_ = 0, pages_offset_ = 0;
+  std::atomic<std::uint32_t> hashing_{0xffffffffu};  // the block keep_checksum_if_live() is reading
+  std::uint64_t hash_tiles(const BlockHeader& b, BlockRef ref) const;
 };
 
 }  // namespace qkvshare
