@@ -47,6 +47,7 @@ void run_calibrate(const CalibrateArgs& a) {
   h.seed = a.seed;
   h.model = model_fingerprint(*model).model;
   h.keys = a.keys == "pre" ? KeyRope::pre : a.keys == "block" ? KeyRope::block : KeyRope::post;
+  h.block_tokens = h.keys == KeyRope::block ? a.block_tokens : 0;
   const KvRope rope = engine.rope();
   KvCodebook check(h);  // a bad --sub fails before the forward passes
   const std::size_t kvd = static_cast<std::size_t>(shape.kv_dim());

@@ -15,10 +15,19 @@ namespace {
 
 constexpr char kMagic[8] = {'Q', 'K', 'V', 'S', 'P', 'Q', 'C', 'B'};
 // Version 1 ends its header after the model fingerprint and checksum;
-// version 2 adds a u32 of flags (bits 0-1: the keys' KeyRope).
+// version 2 adds a u32 of flags (bits 0-1: the keys' KeyRope); version 3
+// uses its bits 8-15 for keys=block: 1 + log2 of the block size the key rows
+// are relative to.
 constexpr std::size_t kHeaderBytesV1 = 8 + 4 * 8 + 16 + 8;
 constexpr std::size_t kHeaderBytes = kHeaderBytesV1 + 4;
 constexpr std::uint32_t kFlagKeyRope = 3u;
+constexpr std::uint32_t kFlagBlockShift = 8, kFlagBlockMask = 0xffu << kFlagBlockShift;
+
+std::uint32_t block_flag(int block_tokens) {
+  int e = 0;
+  while ((1 << e) < block_tokens) ++e;
+  return static_cast<std::uint32_t>(e + 1) << kFlagBlockShift;
+}
 
 void put_u32(std::string& s, std::uint32_t v) {
   for (int i = 0; i < 4; ++i) s += static_cast<char>((v >> (8 * i)) & 0xffu);
@@ -52,7 +61,7 @@ std::string header_bytes(const KvCodebook::Header& h, std::uint64_t payload_hash
   put_u32(s, h.seed);
   s.append(reinterpret_cast<const char*>(h.model.data()), h.model.size());
   put_u64(s, payload_hash);
-  put_u32(s, static_cast<std::uint32_t>(h.keys));
+  put_u32(s, static_cast<std::uint32_t>(h.keys) | (h.keys == KeyRope::block ? block_flag(h.block_tokens) : 0u));
   return s;
 }
 
@@ -129,11 +138,16 @@ KvCodebook KvCodebook::parse(std::string_view bytes, const std::string& path) {
   if (std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) bad("not a codebook file (bad magic)");
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data()) + 8;
   const auto u32 = [&](int i) { return static_cast<std::uint32_t>(get_le(p + 4 * i, 4)); };
-  if (u32(0) != 1 && u32(0) != kVersion) bad(fmt::format("version {} (this build reads 1 to {})", u32(0), kVersion));
+  if (u32(0) < 1 || u32(0) > kVersion) bad(fmt::format("version {} (this build reads 1 to {})", u32(0), kVersion));
   const std::size_t header_bytes = u32(0) == 1 ? kHeaderBytesV1 : kHeaderBytes;
   if (bytes.size() < header_bytes) bad(fmt::format("truncated header ({} bytes)", bytes.size()));
   const std::uint32_t flags = u32(0) == 1 ? 0u : static_cast<std::uint32_t>(get_le(p + 56, 4));
-  if ((flags & ~kFlagKeyRope) != 0 || (flags & kFlagKeyRope) == kFlagKeyRope) bad(fmt::format("unknown flags 0x{:x}", flags));
+  const std::uint32_t known = kFlagKeyRope | (u32(0) >= 3 ? kFlagBlockMask : 0u);
+  if ((flags & ~known) != 0 || (flags & kFlagKeyRope) == kFlagKeyRope) bad(fmt::format("unknown flags 0x{:x}", flags));
+  const KeyRope keys = static_cast<KeyRope>(flags & kFlagKeyRope);
+  const std::uint32_t block_exp = (flags & kFlagBlockMask) >> kFlagBlockShift;  // 0: not recorded
+  if (block_exp > 13 || (block_exp != 0) != (keys == KeyRope::block && u32(0) >= 3))
+    bad(fmt::format("flags 0x{:x}: a block size is recorded exactly for keys=block codebooks, 1 to 4096 tokens", flags));
   if (u32(5) != kCentroids) bad(fmt::format("{} centroids (expected {})", u32(5), kCentroids));
   Header h;
   h.n_layers = static_cast<int>(u32(1));
@@ -142,7 +156,8 @@ KvCodebook KvCodebook::parse(std::string_view bytes, const std::string& path) {
   h.sub = static_cast<int>(u32(4));
   h.calibration_tokens = static_cast<int>(u32(6));
   h.seed = u32(7);
-  h.keys = static_cast<KeyRope>(flags & kFlagKeyRope);
+  h.keys = keys;
+  h.block_tokens = block_exp == 0 ? 0 : 1 << (block_exp - 1);
   std::memcpy(h.model.data(), p + 32, 16);
   const std::uint64_t want = get_le(p + 48, 8);
   // The payload's size before anything is allocated for the tables.

@@ -356,6 +356,15 @@ void KvFormat::validate(const KvShape& shape, int block_tokens) const {
     fail(ErrorCode::invalid_argument, "KV format '{}': codebook '{}' was learned on keys={} rows; the format stores "
          "keys={} (keys={} here, or calibrate --keys {})", to_string(), book_path, key_rope_name(book->header().keys),
          key_rope_name(key_rope), key_rope_name(book->header().keys), key_rope_name(key_rope));
+  if ((k.pq() || (mixed() && lo_k.pq())) && key_rope == KeyRope::block && book->header().block_tokens != block_tokens) {
+    if (book->header().block_tokens == 0)
+      fail(ErrorCode::invalid_argument, "KV format '{}': codebook '{}' (keys=block, file version 2) does not record the "
+           "block size its keys are relative to; calibrate it again with --keys block --block-tokens {}",
+           to_string(), book_path, block_tokens);
+    fail(ErrorCode::invalid_argument, "KV format '{}': codebook '{}' was learned on keys relative to {}-token blocks; "
+         "this pool's blocks hold {} tokens (calibrate --keys block --block-tokens {})", to_string(), book_path,
+         book->header().block_tokens, block_tokens, block_tokens);
+  }
   if ((rotate_k || rotate_v) && (shape.head_dim & (shape.head_dim - 1)) != 0)
     fail(ErrorCode::unsupported, "KV format '{}': Hadamard rotation needs a power-of-two head_dim, got {}",
          to_string(), shape.head_dim);

@@ -99,8 +99,8 @@ TEST(KvCodebook, FileRoundTripsAndBadFilesAreNamed) {
   magic[0] = 'X';
   expect_load_error(write_bytes("magic.kvc", magic), "bad magic");
   std::string newer = good;
-  newer[8] = 3;
-  expect_load_error(write_bytes("newer.kvc", newer), "version 3");
+  newer[8] = 4;
+  expect_load_error(write_bytes("newer.kvc", newer), "version 4 (this build reads 1 to 3)");
   std::string flags = good;
   flags[8 + 56] = 4;  // a flag this build does not know
   expect_load_error(write_bytes("flags.kvc", flags), "unknown flags 0x4");
@@ -187,6 +187,50 @@ TEST(KvCodebook, KeysBeforeRopeMustMatchTheFormat) {
   const KvCodebook old = KvCodebook::load(write_bytes("v1.kvc", v1));
   EXPECT_EQ(old.header().keys, KeyRope::post);
   EXPECT_EQ(0, std::memcmp(old.table(0, 1, 1), KvCodebook::load(post).table(0, 1, 1), sizeof(float) * 4 * C));
+}
+
+// keys=block rows are relative to the pool's block size: a codebook records
+// the size it was learned with (file version 3) and a pool of another size
+// refuses it; a version 2 keys=block file, which does not record it, is
+// refused with a way out.
+TEST(KvCodebook, KeysRelativeToBlocksRecordTheBlockSize) {
+  const KvShape shape{2, 4, 2, 16};
+  KvCodebook::Header h = header(2, 2, 16, 4);
+  h.keys = KeyRope::block;
+  h.block_tokens = 16;
+  CodebookTraining how;
+  how.iterations = 2;
+  const std::string path = testing::temp_dir() + "/block16.kvc";
+  train_codebook(h, rows(2, 300, 32, 1), rows(2, 300, 32, 2), 300, how).save(path);
+  EXPECT_EQ(KvCodebook::load(path).header().block_tokens, 16);
+  EXPECT_NO_THROW(KvFormat::parse("pq2:keys=block:book=" + path).validate(shape, 16));
+  const auto refused = [&](const std::string& file, int block_tokens, const std::string& what) {
+    try {
+      KvFormat::parse("pq2:keys=block:book=" + file).validate(shape, block_tokens);
+      FAIL() << file << " validated for " << block_tokens << "-token blocks";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused(path, 32, "learned on keys relative to 16-token blocks; this pool's blocks hold 32 tokens "
+                    "(calibrate --keys block --block-tokens 32)");
+  std::string bytes = read_bytes(path);
+  EXPECT_EQ(static_cast<unsigned char>(bytes[8 + 57]), 5u) << "bits 8-15: 1 + log2(16)";
+  // As version 2 wrote it: no block size.
+  std::string v2 = bytes;
+  v2[8] = 2;
+  v2[8 + 57] = 0;
+  refused(write_bytes("block-v2.kvc", v2), 32, "does not record the block size its keys are relative to");
+  // A block size on a codebook whose keys are not relative, and one out of range: named, not loaded.
+  std::string post = read_bytes(path);
+  post[8 + 56] = 0;
+  expect_load_error(write_bytes("post-with-block.kvc", post), "a block size is recorded exactly for keys=block");
+  std::string huge = bytes;
+  huge[8 + 57] = 20;
+  expect_load_error(write_bytes("huge-block.kvc", huge), "a block size is recorded exactly for keys=block");
+  std::string v2_with_bits = bytes;
+  v2_with_bits[8] = 2;
+  expect_load_error(write_bytes("v2-with-bits.kvc", v2_with_bits), "unknown flags 0x502");
 }
 
 TEST(KvPq, EncoderStoresTheNearestCentroid) {

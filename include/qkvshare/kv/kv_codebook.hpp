@@ -12,7 +12,9 @@
 // calibration tokens, seed; 16 bytes of the model's fingerprint
 // (share/fingerprint.hpp: a codebook is only valid for the model it was
 // learned on); u64 XXH3-64 of the payload; from version 2 a u32 of flags
-// (bits 0-1: KeyRope of the keys it was learned on, 1 pre, 2 block); then the payload: K tables, then V tables, each
+// (bits 0-1: KeyRope of the keys it was learned on, 1 pre, 2 block; from
+// version 3, bits 8-15 for keys=block: 1 + log2 of the block size the key
+// rows are relative to); then the payload: K tables, then V tables, each
 // [layer][kv head][sub-space][centroid][sub] f32.
 #include <array>
 #include <cstdint>
@@ -29,13 +31,14 @@ namespace qkvshare {
 class KvCodebook {
  public:
   static constexpr int kCentroids = 256;  // one byte per index
-  static constexpr std::uint32_t kVersion = 2;
+  static constexpr std::uint32_t kVersion = 3;  // 2: keys' KeyRope; 3: keys=block's block size
 
   struct Header {
     int n_layers = 0, n_kv_heads = 0, head_dim = 0, sub = 0;
     int calibration_tokens = 0;
     std::uint32_t seed = 0;
     KeyRope keys = KeyRope::post;  // how the keys it was learned on were stored (KvFormat::key_rope)
+    int block_tokens = 0;  // keys=block: the block size its key rows are relative to (0: not recorded, version 2)
     std::array<std::uint8_t, 16> model{};  // ModelFingerprint::model
 
     // The header of a codebook for a model of KV shape `s`.
