@@ -141,6 +141,5 @@ void checksum_later(const std::shared_ptr<KvPool>& pool, BlockRef ref) {
 void wait_for_checksums() { Worker::get().wait(); }
 
 void set_background_checksums(bool on) noexcept { g_on.store(on, std::memory_order_relaxed); }
-bool background_checksums() noexcept { return g_on.load(std::memory_order_relaxed); }
 
 }  // namespace qkvshare::kv

@@ -21,8 +21,7 @@ void checksum_later(const std::shared_ptr<KvPool>& pool, BlockRef ref);
 // Waits until every block queued so far is done (benchmarks and tests).
 void wait_for_checksums();
 // Process-wide switch, default on. Off: seal computes what it does not find
-// kept (the behaviour measured against, bench_handoff --background-checksums off).
+// kept (how sealing worked before; bench_handoff measures both).
 void set_background_checksums(bool on) noexcept;
-bool background_checksums() noexcept;
 
 }  // namespace qkvshare::kv
