@@ -22,9 +22,9 @@ struct Job {
   BlockRef ref;
 };
 
-// One worker per process. Its mutex and condition variables live in raw
-// storage so that a child of fork() can re-create them (the parent's worker
-// thread does not exist there, and its lock may have been held).
+// One worker per process. Its mutexes and condition variables live in raw
+// storage and are never destroyed: a child of fork() inherits them locked (by
+// the prepare handler) and must neither use nor destroy them.
 class Worker {
  public:
   static Worker& get() {
@@ -33,6 +33,7 @@ class Worker {
   }
 
   void push(Job job) {
+    if (forked_child_) return;  // see reset_in_child()
     {
       std::lock_guard lock(mutex());
       if (thread_ == nullptr) thread_ = new std::thread([this] { run(); });
@@ -43,12 +44,14 @@ class Worker {
   }
 
   void wait() {
+    if (forked_child_) return;
     std::unique_lock lock(mutex());
     const std::uint64_t target = queued_;
     done_cv().wait(lock, [&] { return done_ >= target; });
   }
 
   ~Worker() {
+    if (forked_child_) return;
     std::thread* t = nullptr;
     {
       std::lock_guard lock(mutex());
@@ -65,6 +68,7 @@ class Worker {
  private:
   Worker() {
     new (mutex_storage_) std::mutex;
+    new (computing_storage_) std::mutex;
     new (wake_storage_) std::condition_variable;
     new (done_storage_) std::condition_variable;
     // fork() waits for a hash in progress (KvPool's hashing_ mark must not be
@@ -86,17 +90,13 @@ class Worker {
   std::condition_variable& wake() { return *std::launder(reinterpret_cast<std::condition_variable*>(wake_storage_)); }
   std::condition_variable& done_cv() { return *std::launder(reinterpret_cast<std::condition_variable*>(done_storage_)); }
 
-  // In the child, after fork(): no worker thread, nothing queued, fresh locks
-  // (the parent's are left as they were, never destroyed).
-  void reset_in_child() {
-    new (mutex_storage_) std::mutex;
-    new (computing_storage_) std::mutex;
-    new (wake_storage_) std::condition_variable;
-    new (done_storage_) std::condition_variable;
-    thread_ = nullptr;  // the parent's thread object, not a thread of this process
-    queue_.clear();
-    done_ = queued_;
-  }
+  // In the child, after fork(): the parent's thread does not exist here and
+  // its locks stay as fork left them, never touched again. The child starts
+  // no thread of its own: a child of a multithreaded process may only do
+  // async-signal-safe work until it execs (POSIX; ThreadSanitizer kills one
+  // that starts a thread), so its seals hash the blocks they need themselves.
+  // Written by the only thread of the child; never written in the parent.
+  void reset_in_child() { forked_child_ = true; }
 
   void run() {
     std::unique_lock lock(mutex());
@@ -129,6 +129,7 @@ class Worker {
   std::deque<Job> queue_;
   std::uint64_t queued_ = 0, done_ = 0;
   bool stop_ = false;
+  bool forked_child_ = false;
 };
 
 }  // namespace

@@ -9,7 +9,8 @@
 // the whole context. The thread takes no block reference (counts stay what
 // their owners made them); blocks freed before their turn are skipped, and a
 // pool destroyed meanwhile too (jobs hold it weakly). The thread starts on
-// first use, is re-created in a child after fork(), and is joined at exit.
+// first use and is joined at exit; fork() waits for a hash in progress, and a
+// child of fork() starts no thread (its seals hash what they need).
 #include <memory>
 
 #include "qkvshare/kv/kv_pool.hpp"
