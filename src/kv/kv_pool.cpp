@@ -182,6 +182,12 @@ void KvPool::set_fill(BlockRef ref, int fill) {
 
 namespace {
 std::uint64_t checksum_tag(BlockRef ref) noexcept { return std::uint64_t{ref.generation} << 32 | 1u; }
+// The value first, then the tag that makes it valid (readers load the tag with acquire).
+template <class Header>
+void keep(Header& b, std::uint64_t tag, std::uint64_t checksum) noexcept {
+  b.checksum.store(checksum, std::memory_order_relaxed);
+  b.checksum_tag.store(tag, std::memory_order_release);
+}
 }  // namespace
 
 std::uint64_t KvPool::hash_tiles(const BlockHeader& b, BlockRef ref) const {
@@ -217,8 +223,7 @@ void KvPool::keep_checksum_if_live(BlockRef ref) noexcept {
         return;
       hashing_.store(ref.index, std::memory_order_release);
     }
-    b.checksum.store(hash_tiles(b, ref), std::memory_order_relaxed);
-    b.checksum_tag.store(tag, std::memory_order_release);
+    keep(b, tag, hash_tiles(b, ref));
   } catch (...) {
     // Left to the seal that needs it.
   }
@@ -229,11 +234,8 @@ std::uint64_t KvPool::checksum(BlockRef ref) const {
   BlockHeader& b = checked(ref);
   const std::uint64_t tag = checksum_tag(ref);
   if (b.checksum_tag.load(std::memory_order_acquire) == tag) return b.checksum.load(std::memory_order_relaxed);
-  const std::uint64_t d = compute_checksum(ref);
-  if (static_cast<int>(b.fill) == block_tokens_) {  // full: its bytes are final
-    b.checksum.store(d, std::memory_order_relaxed);
-    b.checksum_tag.store(tag, std::memory_order_release);
-  }
+  const std::uint64_t d = hash_tiles(b, ref);
+  if (static_cast<int>(b.fill) == block_tokens_) keep(b, tag, d);  // full: its bytes are final
   return d;
 }
 
