@@ -3,6 +3,9 @@
 # default model, run the whole suite, then the ASan+UBSan build of the C++ tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each stage line carries the UTC time, so a CI log shows what each build and each run cost.
+stage() { echo "[test] $(date -u +%H:%M:%S) $*" >&2; }
+stage "install and release build"
 scripts/install_deps.sh
 scripts/build.sh
 if model=$(scripts/fetch_model.sh); then
@@ -10,19 +13,21 @@ if model=$(scripts/fetch_model.sh); then
 else
   echo "*** WARNING: the default model could not be fetched; SmolLM2 tests will be SKIPPED. ***" >&2
 fi
-echo "[test] Python package: pip install . into a fresh venv (build-python/venv)" >&2
+stage "Python package: pip install . into a fresh venv (build-python/venv)"
 scripts/python_package.sh
-echo "[test] release build: full suite" >&2
+stage "release build: full suite"
 ctest --test-dir build --output-on-failure -j "$(nproc)"
-echo "[test] ARM64: cross build, the emulation-labelled C++ tests under qemu-user" >&2
+stage "ARM64: cross build, the emulation-labelled C++ tests under qemu-user"
 scripts/test_aarch64.sh
-echo "[test] ASan+UBSan build: C++ tests (the server's HTTP tests run in the release build only)" >&2
+stage "ASan+UBSan build: C++ tests (the server's HTTP tests run in the release build only)"
 BUILD_DIR=build-asan BUILD_TYPE=Debug scripts/build.sh -DQKVSHARE_SANITIZE=ON -DQKVSHARE_BUILD_BENCH=OFF
+stage "ASan+UBSan: tests"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE "reference|slow|server|python"
-echo "[test] ThreadSanitizer build: the concurrent parts (thread pool, KV pool, share layer, batched passes and scheduler, tiers' prefetch, the server's threads)" >&2
+stage "ThreadSanitizer build: the concurrent parts (thread pool, KV pool, share layer, batched passes and scheduler, tiers' prefetch, the server's threads)"
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_TSAN=ON -DQKVSHARE_BUILD_BENCH=OFF >&2
 cmake --build build-tsan -j "$(nproc)" --target test_core test_kv test_share test_engine test_tiers >&2
+stage "ThreadSanitizer: tests"
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 build-tsan/tests/test_core --gtest_filter='ThreadPool.*'
 build-tsan/tests/test_kv --gtest_filter='KvPool.*'
@@ -42,10 +47,11 @@ if compgen -G "build-tsan/tsan-server/report*" >/dev/null; then
   echo "[test] ThreadSanitizer reported on the server's threads" >&2
   exit 1
 fi
-echo "[test] libFuzzer: the GGUF and descriptor parsers 45 s each, the server's HTTP request path, the PQ codebook and the context file readers 30 s each" >&2
+stage "libFuzzer: the GGUF and descriptor parsers 45 s each, the server's HTTP request path, the PQ codebook and the context file readers 30 s each"
 CXX=clang++ CC=clang cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_FUZZ=ON \
   -DQKVSHARE_BUILD_TESTS=OFF -DQKVSHARE_BUILD_BENCH=OFF >&2
 cmake --build build-fuzz -j "$(nproc)" --target fuzz_gguf fuzz_descriptor fuzz_http fuzz_codebook fuzz_context >&2
+stage "libFuzzer: runs"
 for f in fuzz_gguf fuzz_descriptor fuzz_http fuzz_codebook fuzz_context; do
   mkdir -p "build-fuzz/corpus-$f"
   seconds=45 seeds=()
