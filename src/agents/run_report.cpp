@@ -26,7 +26,17 @@ std::string RunReport::json() const {
                 {"bytes_read", tiers.bytes_read},
                 {"restore_wait_seconds", tiers.restore_wait_seconds},
                 {"peak_at_rest_bytes", tiers.peak_at_rest_bytes},
-                {"failures", tiers.failures}};
+                {"failures", tiers.failures},
+                {"demotions", nlohmann::json::array()}};
+  for (const TierDemotion& d : tiers.demotions)
+    j["tiers"]["demotions"].push_back({{"producer", d.producer},
+                                       {"from", d.from},
+                                       {"to", d.to},
+                                       {"bytes_before", d.bytes_before},
+                                       {"bytes_after", d.bytes_after},
+                                       {"k_rel_rms", d.k_rel_rms},
+                                       {"v_rel_rms", d.v_rel_rms},
+                                       {"seconds", d.seconds}});
   j["splices"] = splices;
   j["guard_raised"] = guard_raised;
   j["guard_text"] = guard_text;
@@ -86,6 +96,12 @@ RunReport RunReport::from_json(const std::string& text) {
       r.tiers.restore_wait_seconds = t->at("restore_wait_seconds").get<double>();
       r.tiers.peak_at_rest_bytes = t->at("peak_at_rest_bytes").get<std::size_t>();
       r.tiers.failures = t->at("failures").get<std::vector<std::string>>();
+      if (const auto ds = t->find("demotions"); ds != t->end())
+        for (const auto& d : *ds)
+          r.tiers.demotions.push_back(TierDemotion{d.at("producer").get<std::string>(), d.at("from").get<std::string>(),
+                                                   d.at("to").get<std::string>(), d.at("bytes_before").get<std::size_t>(),
+                                                   d.at("bytes_after").get<std::size_t>(), d.at("k_rel_rms").get<double>(),
+                                                   d.at("v_rel_rms").get<double>(), d.at("seconds").get<double>()});
     }
     r.splices = j.at("splices").get<int>();
     r.guard_raised = j.at("guard_raised").get<int>();

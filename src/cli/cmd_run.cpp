@@ -32,7 +32,7 @@ struct RunArgs {
   bool sequential = false;
   int token_budget = 256;
   std::string json;
-  std::string kv_budget, spill_dir, key;
+  std::string kv_budget, spill_dir, key, demote;
   bool no_prefetch = false;
 };
 
@@ -56,6 +56,10 @@ void print_outputs(const RunReport& r) {
                 t.evictions, t.spills, static_cast<double>(t.bytes_written) / (1 << 20), t.prefetches,
                 t.restores_on_demand, static_cast<double>(t.bytes_read) / (1 << 20), t.restore_wait_seconds,
                 static_cast<double>(t.peak_at_rest_bytes) / (1 << 20));
+  for (const auto& d : t.demotions)
+    std::printf("tiers: demoted '%s' %s -> %s: %.1f -> %.1f KiB in %.1f ms, relative RMS change of K %.4f, V %.4f\n",
+                d.producer.c_str(), d.from.c_str(), d.to.c_str(), static_cast<double>(d.bytes_before) / 1024.0,
+                static_cast<double>(d.bytes_after) / 1024.0, d.seconds * 1e3, d.k_rel_rms, d.v_rel_rms);
   for (const auto& f : t.failures) std::printf("tiers: %s\n", f.c_str());
   std::fflush(stdout);
 }
@@ -88,8 +92,14 @@ void execute(const Workflow& wf, const RunArgs& a) {
                                : a.spill_dir;
     if (!a.key.empty()) opts.tiers.cipher = std::make_shared<KeyCipher>(KeyCipher::from_file(a.key));
     opts.tiers.prefetch = !a.no_prefetch;
-  } else if (!a.spill_dir.empty() || !a.key.empty() || a.no_prefetch) {
-    fail(ErrorCode::invalid_argument, "--spill-dir, --key and --no-prefetch need --kv-budget");
+    if (!a.demote.empty()) {
+      const KvFormat to = KvFormat::parse(a.demote);
+      if (to.mixed() || to.evicts())
+        fail(ErrorCode::invalid_argument, "--demote {}: give a format of one precision (no lo=, no budget=)", a.demote);
+      opts.tiers.demote = to;
+    }
+  } else if (!a.spill_dir.empty() || !a.key.empty() || a.no_prefetch || !a.demote.empty()) {
+    fail(ErrorCode::invalid_argument, "--spill-dir, --key, --demote and --no-prefetch need --kv-budget");
   }
   if (!a.compare) {
     const RunReport r = run_workflow(wf, a.model.model_path, a.model.tokenizer_path, opts);
@@ -142,6 +152,9 @@ void add_common(CLI::App& cmd, RunArgs& a) {
   cmd.add_option("--kv-budget", a.kv_budget, "qkvshare mode: pool bytes for contexts at rest (e.g. 8M); spill the rest");
   cmd.add_option("--spill-dir", a.spill_dir, "Folder of spilled contexts (default: a temporary one)");
   cmd.add_option("--key", a.key, "Key file: encrypt spilled blocks (XChaCha20-Poly1305)");
+  cmd.add_option("--demote", a.demote,
+                 "With --kv-budget: recode contexts at rest to this KV format (e.g. int4) before spilling any "
+                 "(lossy; each demotion's K/V change is reported)");
   cmd.add_flag("--no-prefetch", a.no_prefetch, "Restore spilled contexts only when their consumer starts");
 }
 

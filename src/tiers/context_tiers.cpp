@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <climits>
+#include <optional>
+#include <tuple>
 
 #include "qkvshare/core/error.hpp"
 
@@ -20,6 +22,7 @@ struct ContextTiers::Entry {
   bool resident = true;
   bool on_disk = false;       // the file holds this context (written once, kept until the last consumer)
   bool spill_failed = false;  // the disk refused once: keep it in RAM
+  bool demoted = false;       // recoded to TierOptions::demote (or already at no more bits)
   std::uint64_t last_use = 0;
   std::size_t kv_bytes = 0;     // pool bytes when resident (from the format; exact for full blocks)
   std::future<void> restoring;  // a background restore in flight (or done, not yet collected)
@@ -188,6 +191,55 @@ void ContextTiers::evict_locked(Entry& e, std::unique_lock<std::mutex>& lock) {
   (void)lock;
 }
 
+bool ContextTiers::demote_locked(Entry& e) {
+  QKV_CHECK(e.resident && !e.grants.empty() && options_.demote);
+  e.demoted = true;  // tried once, whatever the outcome
+  const auto t0 = std::chrono::steady_clock::now();
+  const KvFormat& to = *options_.demote;
+  const auto& [grantee, d] = *e.grants.begin();
+  const std::optional<KvFormat> from = d.format();
+  const auto kv = pool_.kv_pool_if_any();
+  if (!from || !kv) return false;
+  if (from->cold_bits(kv->block_tokens(), kv->shape().head_dim) <= to.cold_bits(kv->block_tokens(), kv->shape().head_dim))
+    return false;  // no fewer bits: nothing to gain
+  TierDemotion record{e.producer, from->to_string(), to.to_string()};
+  std::optional<SealedContext> sealed;
+  try {
+    {
+      OpenedContext opened = pool_.open(d, grantee, true, static_cast<int>(d.token_count));
+      if (!opened.cache)
+        fail(ErrorCode::bad_descriptor, "its KV cannot be used here ({}: {})", to_string(opened.refused),
+             opened.refused_detail);
+      PooledKvCache::RecodeCost cost;
+      const auto copy = opened.cache->recoded(to, &cost);
+      record.bytes_before = opened.cache->kv_bytes();
+      record.bytes_after = copy->kv_bytes();
+      record.k_rel_rms = cost.k_rel_rms;
+      record.v_rel_rms = cost.v_rel_rms;
+      sealed = pool_.seal(*copy, opened.tokens, opened.text, d.fingerprint, e.producer);
+    }
+    std::map<std::string, Descriptor> grants;
+    for (const auto& [consumer, old] : e.grants) grants.emplace(consumer, pool_.grant(*sealed, e.producer, consumer));
+    pool_.release(*sealed);  // the grants keep it
+    pool_.revoke(d, e.producer);  // the old blocks go back to the pool
+    e.grants = std::move(grants);
+  } catch (const Error& err) {
+    // The context stays as it was, in RAM; a half-made copy goes back to the pool.
+    if (sealed) pool_.revoke(*sealed);
+    stats_.failures.push_back(fmt::format("demotion of '{}' to {} failed, kept as it was: {}", e.producer,
+                                          to.to_string(), err.what()));
+    return false;
+  }
+  if (e.on_disk) {  // the file holds the old precision: the next eviction writes this one
+    disk_.remove(e.producer);
+    e.on_disk = false;
+  }
+  e.kv_bytes = record.bytes_after;
+  record.seconds = since(t0);
+  stats_.demotions.push_back(std::move(record));
+  return true;
+}
+
 void ContextTiers::step_finished(int position) {
   if (options_.budget_bytes == 0) return;
   std::unique_lock lock(mutex_);
@@ -208,12 +260,20 @@ void ContextTiers::step_finished(int position) {
         lock.lock();
         if (!failed.empty()) stats_.failures.push_back(fmt::format("prefetch of '{}' failed: {}", e.producer, failed));
       }
-      if (!e.resident || e.restoring.valid() || e.spill_failed || e.grants.empty()) continue;
-      const auto key = [&](const Entry& x) { return std::make_pair(next_use(x) - now, -static_cast<long long>(x.last_use)); };
+      if (!e.resident || e.restoring.valid() || e.grants.empty()) continue;
+      // Demotion first (it keeps the context in RAM), then spilling; the
+      // furthest next use first within each, the least recently used among equals.
+      const auto key = [&](const Entry& x) {
+        return std::make_tuple(options_.demote && !x.demoted, next_use(x) - now, -static_cast<long long>(x.last_use));
+      };
+      if (!(options_.demote && !e.demoted) && e.spill_failed) continue;
       if (victim == nullptr || key(e) > key(*victim)) victim = &e;
     }
     if (victim == nullptr) break;
-    evict_locked(*victim, lock);
+    if (options_.demote && !victim->demoted)
+      demote_locked(*victim);
+    else
+      evict_locked(*victim, lock);
     bytes = pool_bytes();
   }
   stats_.peak_at_rest_bytes = std::max(stats_.peak_at_rest_bytes, bytes);

@@ -87,6 +87,36 @@ TEST(OrchestratorTiers, BudgetOf40PercentOfPeakGivesTheSameTokens) {
   }
 }
 
+// Demotion before spilling: the contexts at rest are recoded to int4 in RAM
+// first; the run completes under the budget, reports what each demotion
+// changed, and leaves nothing behind. Tokens may differ (demotion is lossy).
+TEST(OrchestratorTiers, DemotionToInt4HoldsTheBudgetAndReportsEachDemotion) {
+  const Workflow wf = Workflow::parse(kTwoStories, "two.yaml");
+  const RunReport free_run = run_workflow(wf, kModel, kTok, options("int8"));
+  RunOptions o = options("int8");
+  o.tiers.budget_bytes = free_run.peak_kv_bytes * 4 / 10;
+  o.tiers.spill_dir = testing::temp_dir() + "/demote";
+  o.tiers.demote = KvFormat::parse("int4");
+  const RunReport r = run_workflow(wf, kModel, kTok, o);
+  ASSERT_EQ(r.steps.size(), free_run.steps.size());
+  EXPECT_FALSE(r.tiers.demotions.empty());
+  for (const TierDemotion& d : r.tiers.demotions) {
+    EXPECT_EQ(d.to, "int4");
+    EXPECT_LT(d.bytes_after, d.bytes_before);
+    EXPECT_GT(d.k_rel_rms + d.v_rel_rms, 0.0);
+  }
+  EXPECT_TRUE(r.tiers.failures.empty());
+  EXPECT_LE(r.tiers.peak_at_rest_bytes, o.tiers.budget_bytes);
+  EXPECT_EQ(r.contexts_alive_at_end, 0);
+  EXPECT_EQ(r.pool_blocks_used_at_end, 0u);
+  EXPECT_TRUE(std::filesystem::is_empty(o.tiers.spill_dir));
+  // The report's JSON carries the demotions.
+  const RunReport back = RunReport::from_json(r.json());
+  ASSERT_EQ(back.tiers.demotions.size(), r.tiers.demotions.size());
+  EXPECT_EQ(back.tiers.demotions[0].producer, r.tiers.demotions[0].producer);
+  EXPECT_DOUBLE_EQ(back.tiers.demotions[0].k_rel_rms, r.tiers.demotions[0].k_rel_rms);
+}
+
 TEST(OrchestratorTiers, SpillFolderThatCannotBeCreatedIsAClearError) {
   const Workflow wf = Workflow::parse(kTwoStories, "two.yaml");
   RunOptions o = options("int8");

@@ -51,6 +51,9 @@ expect_error "missing.qkvctx" context import "$tmp/missing.qkvctx" --pool none -
 expect_error "short.key" context import "$TESTDATA_CTX" --pool none --agent A --grant B -o "$tmp/x.desc" --key "$tmp/short.key"
 expect_error "--kv-budget" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --kv-budget lots
 expect_error "need --kv-budget" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --no-prefetch
+expect_error "need --kv-budget" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --demote int4
+expect_error "--demote int8:lo=int2:top=0.5: give a format of one precision" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --kv-budget 1M --demote int8:lo=int2:top=0.5
+expect_error "int9" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --kv-budget 1M --demote int9
 printf '{"format":"other"}' > "$tmp/bad.ref"
 expect_error "bad.ref" context pull "$tmp/bad.ref" --pool none --agent A --grant B -o "$tmp/x.desc"
 expect_error "missing.ref" context pull "$tmp/missing.ref" --pool none --agent A --grant B -o "$tmp/x.desc"

@@ -3,7 +3,9 @@
 // (run under ThreadSanitizer in CI), and a restored context opens exactly.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <tuple>
 #include <filesystem>
 
 #include "qkvshare/core/error.hpp"
@@ -25,8 +27,8 @@ class Tiers : public ::testing::Test {
 
   // A context of `n` tokens sealed by `producer`, granted to `consumer`; returns the expected logits of 3 more tokens.
   std::vector<float> produce(const std::string& producer, const std::string& consumer, int n,
-                             std::map<std::string, Descriptor>& grants) {
-    auto s = new_pooled_session(*pool_, *engine_, KvFormat::parse("int4"), 512);
+                             std::map<std::string, Descriptor>& grants, const char* format = "int4") {
+    auto s = new_pooled_session(*pool_, *engine_, KvFormat::parse(format), 512);
     std::vector<TokenId> ids{model_->tokenizer().bos_id()};
     for (int i = 1; i < n; ++i) ids.push_back(static_cast<TokenId>(20 + (i * 37 + producer.size()) % 400));
     engine_->forward(*s, ids);
@@ -113,6 +115,117 @@ TEST_F(Tiers, ContextOnDiskWhenItsConsumerStartsIsRestoredOnDemand) {
   EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
   tiers.consumed("p1", "c1");
   EXPECT_THROW(tiers.acquire("p1", "c1"), Error);
+}
+
+// The largest logit difference relative to the largest logit.
+double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    d = std::max(d, std::abs(double(a[i]) - b[i]));
+    m = std::max(m, std::abs(double(a[i])));
+  }
+  return d / m;
+}
+
+TEST_F(Tiers, DemotesContextsAtRestBeforeSpillingAny) {
+  const std::map<std::string, int> position{{"c1", 2}, {"c2", 3}};
+  std::map<std::string, Descriptor> g1, g2;
+  const auto want1 = produce("p1", "c1", 200, g1, "int8");
+  const auto want2 = produce("p2", "c2", 200, g2, "int8");
+  const std::size_t both = pool_->stats().kv.bytes_used;
+  // The same context made in int4 from the start: how far int4 moves the logits by itself.
+  std::map<std::string, Descriptor> g3;
+  const auto native4 = produce("p3", "c3", 200, g3, "int4");
+  const std::size_t int4_bytes = pool_->stats().kv.bytes_used - both;
+  pool_->revoke(g3.at("c3"), "p3");
+  const double int4_diff = rel_diff(want1, native4);
+  TierOptions o;
+  o.budget_bytes = int4_bytes * 9 / 4;  // both fit in int4, not one of them in int8
+  ASSERT_LT(o.budget_bytes, both / 2 + int4_bytes);
+  o.spill_dir = testing::temp_dir() + "/tiers";
+  o.demote = KvFormat::parse("int4");
+  {
+    ContextTiers tiers(*pool_, o);
+    tiers.add("p1", g1, position);
+    tiers.add("p2", g2, position);
+    tiers.step_finished(1);
+    const TierStats st = tiers.stats();
+    EXPECT_EQ(st.spills, 0);
+    EXPECT_TRUE(st.failures.empty());
+    ASSERT_EQ(st.demotions.size(), 2u);
+    EXPECT_EQ(st.demotions[0].producer, "p2");  // needed last: demoted first
+    for (const TierDemotion& d : st.demotions) {
+      EXPECT_EQ(d.from, "int8");
+      EXPECT_EQ(d.to, "int4");
+      EXPECT_LT(d.bytes_after, d.bytes_before);
+      EXPECT_GT(d.k_rel_rms, 0.0);
+      EXPECT_LT(d.k_rel_rms, 0.2);
+      EXPECT_GT(d.v_rel_rms, 0.0);
+      EXPECT_LT(d.v_rel_rms, 0.2);
+    }
+    EXPECT_LE(pool_->stats().kv.bytes_used, o.budget_bytes);
+    // The consumers open the demoted contexts (new records, int4) and continue
+  // about as near the int8 logits as an int4 context made so from the start.
+    for (const auto& [producer, consumer, want] :
+         {std::tuple{"p1", "c1", &want1}, std::tuple{"p2", "c2", &want2}}) {
+      tiers.step_started(position.at(consumer));
+      const Descriptor d = tiers.acquire(producer, consumer);
+      EXPECT_EQ(d.format()->to_string(), "int4");
+      const auto got = open_and_continue(d, consumer);
+      const double diff = rel_diff(*want, got);
+      EXPECT_GT(diff, 0.0) << producer;
+      EXPECT_LE(diff, 1.25 * int4_diff) << producer;  // about what int4 does from the start
+      tiers.consumed(producer, consumer);
+      tiers.step_finished(position.at(consumer));
+    }
+  }
+  EXPECT_EQ(pool_->stats().contexts, 0);
+  EXPECT_EQ(pool_->stats().kv.bytes_used, 0u);
+}
+
+TEST_F(Tiers, DemotedContextIsSpilledWhenTheBudgetStillDoesNotHold) {
+  const std::map<std::string, int> position{{"c1", 1}};
+  std::map<std::string, Descriptor> g1;
+  produce("p1", "c1", 150, g1, "int8");
+  TierOptions o;
+  o.budget_bytes = 1;
+  o.spill_dir = testing::temp_dir() + "/tiers";
+  o.prefetch = false;
+  o.demote = KvFormat::parse("int4");
+  ContextTiers tiers(*pool_, o);
+  tiers.add("p1", g1, position);
+  tiers.step_finished(0);
+  EXPECT_EQ(pool_->stats().kv.bytes_used, 0u);
+  const TierStats st = tiers.stats();
+  EXPECT_EQ(st.demotions.size(), 1u);
+  EXPECT_EQ(st.spills, 1);
+  const Descriptor d = tiers.acquire("p1", "c1");  // restored from disk as it was demoted
+  EXPECT_EQ(d.format()->to_string(), "int4");
+  open_and_continue(d, "c1");
+  tiers.consumed("p1", "c1");
+}
+
+TEST_F(Tiers, FailedDemotionLeavesTheContextAsItWasAndSaysWhy) {
+  const std::map<std::string, int> position{{"c1", 1}};
+  std::map<std::string, Descriptor> g1;
+  const auto want = produce("p1", "c1", 150, g1, "int8");
+  TierOptions o;
+  o.budget_bytes = 1;
+  o.spill_dir = testing::temp_dir() + "/tiers";
+  o.prefetch = false;
+  o.demote = KvFormat::parse("int4:rot=k");  // keys stored otherwise than the context's
+  ContextTiers tiers(*pool_, o);
+  tiers.add("p1", g1, position);
+  tiers.step_finished(0);
+  const TierStats st = tiers.stats();
+  EXPECT_TRUE(st.demotions.empty());
+  ASSERT_EQ(st.failures.size(), 1u);
+  EXPECT_NE(st.failures[0].find("demotion of 'p1' to int4:rot=k failed"), std::string::npos) << st.failures[0];
+  EXPECT_EQ(st.spills, 1);  // then spilled as without demotion, and restored exactly
+  const Descriptor d = tiers.acquire("p1", "c1");
+  const auto got = open_and_continue(d, "c1");
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  tiers.consumed("p1", "c1");
 }
 
 }  // namespace

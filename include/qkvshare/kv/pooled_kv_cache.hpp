@@ -154,6 +154,24 @@ class PooledKvCache final : public KvCache {
   // cases as demote(), and a budget that keeps every block).
   std::vector<std::pair<int, int>> evict();
 
+  // A copy of this context in another format of the same pool (the memory
+  // tiers' demotion, tiers/context_tiers.hpp): every block is recoded to the
+  // codec its place has in `to` (cold blocks to.k/to.v; hot ones, and any
+  // block not full, f16 or f32) through f32 rows; a block already in that
+  // codec is shared, not copied. Same segments, offsets, position gap and
+  // tokens. `to` must store keys and values the same way (rotations, key
+  // RoPE) and be of one precision (no mixed precision, no budget): else
+  // Error(invalid_argument). Pool exhaustion: Error(out_of_memory), with
+  // every block allocated given back and this context unchanged.
+  struct RecodeCost {
+    // Relative RMS change of the rows the copy reads against the rows this
+    // context reads, over every committed row of every layer and KV head:
+    // sqrt(sum (new - old)^2 / sum old^2), keys and values apart.
+    double k_rel_rms = 0, v_rel_rms = 0;
+    int blocks_recoded = 0, blocks_shared = 0;
+  };
+  std::unique_ptr<PooledKvCache> recoded(const KvFormat& to, RecodeCost* cost = nullptr) const;
+
   const KvFormat& format() const noexcept { return format_; }
   const std::vector<KvSegment>& segments() const noexcept { return segments_; }
   KvPool& pool() const noexcept { return *pool_; }

@@ -3,8 +3,9 @@
 // "Tiers"; the policy of KVFlow, NeurIPS'25): between steps, while the pool
 // holds more than the budget, the context at rest whose next consumer runs
 // furthest in the future (steps-to-execution in the DAG order; least
-// recently used among equals) is spilled to the disk tier and its record
-// revoked; a context the next step needs is prefetched back on a background
+// recently used among equals) is demoted to fewer bits in RAM when a demotion
+// format is given (TierOptions::demote; every context at rest first), else
+// spilled to the disk tier and its record revoked; a context the next step needs is prefetched back on a background
 // thread while the current step runs, and one still on disk when its
 // consumer starts is restored then. Spilled contexts come back bit-exact
 // (every block authenticated and checksummed), re-sealed and re-granted
@@ -21,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +36,20 @@ struct TierOptions {
   std::string spill_dir;         // disk tier folder (created; files removed when done)
   std::shared_ptr<const BlockCipher> cipher;  // seals spilled blocks; null: plaintext files
   bool prefetch = true;          // restore the next step's inputs in the background
+  // The demotion tier: over the budget, a victim is first recoded into this
+  // format (fewer bits, in RAM: PooledKvCache::recoded) and only spilled to
+  // disk when every context at rest is demoted and the pool is still over.
+  // Lossy: each demotion's change to the KV is measured and reported.
+  std::optional<KvFormat> demote;
+};
+
+// One context recoded by the demotion tier, and what it cost.
+struct TierDemotion {
+  std::string producer;
+  std::string from, to;  // KV formats
+  std::size_t bytes_before = 0, bytes_after = 0;  // the context's pool bytes
+  double k_rel_rms = 0, v_rel_rms = 0;  // relative RMS change of the K and V rows its consumers read
+  double seconds = 0;
 };
 
 struct TierStats {
@@ -44,7 +60,8 @@ struct TierStats {
   std::uint64_t bytes_written = 0, bytes_read = 0;
   double restore_wait_seconds = 0;  // consumers' time spent waiting for a restore or prefetch
   std::size_t peak_at_rest_bytes = 0;  // pool bytes after enforcing, at the worst step boundary
-  std::vector<std::string> failures;   // spills that failed (the context stayed in RAM), with the reason
+  std::vector<std::string> failures;   // spills and demotions that failed (the context stayed as it was), with the reason
+  std::vector<TierDemotion> demotions; // contexts recoded to TierOptions::demote, in order
 };
 
 class ContextTiers {
@@ -75,6 +92,7 @@ class ContextTiers {
  private:
   struct Entry;
   void evict_locked(Entry& e, std::unique_lock<std::mutex>& lock);
+  bool demote_locked(Entry& e);
   void restore_into(Entry& e, std::unique_lock<std::mutex>& lock, bool background);
   int next_use(const Entry& e) const;
   std::size_t pool_bytes() const;
