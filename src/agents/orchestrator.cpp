@@ -1,4 +1,5 @@
 #include "qkvshare/agents/orchestrator.hpp"
+#include "qkvshare/core/clock.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -47,7 +48,6 @@ double token_agreement(const std::vector<TokenId>& want, const std::vector<Token
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // One loaded model with its engine; in text modes also a private f16 KV pool.
 struct Runtime {
@@ -138,7 +138,7 @@ class Run {
       trace_ = ReferenceTrace::load(opts.force_reference);
       forcing_ = true;
     }
-    report_.load_seconds = since(t0);
+    report_.load_seconds = seconds_since(t0);
     report_.workflow = wf.name;
     report_.mode = opts.mode;
     report_.kv = opts.mode == RunMode::qkvshare ? opts.kv : text_kv();
@@ -218,7 +218,7 @@ class Run {
       }
     }
     for (auto& m : metrics) report_.steps.push_back(std::move(*m));
-    report_.total_seconds = since(t0);
+    report_.total_seconds = seconds_since(t0);
     if (tiers_) report_.tiers = tiers_->stats();
     tiers_.reset();  // removes the spill files
     if (!opts_.record_reference.empty()) trace_.save(opts_.record_reference);
@@ -330,7 +330,7 @@ class Run {
       pool_->release(d, step.id);  // the session holds its own block references
       up.grants.erase(step.id);
       if (tiers_) tiers_->consumed(base->from, step.id);
-      m.handoff_seconds = since(h0);
+      m.handoff_seconds = seconds_since(h0);
       session = std::move(h.session);
       m.handoff = h.kv ? std::string(to_string(base->mode)) : "fallback:" + std::string(to_string(h.fallback));
       m.prefill_reused = h.kv ? session->n_past() : 0;
@@ -449,7 +449,7 @@ class Run {
     StepResult result = std::move(r.result);
     std::unique_ptr<Session> session = std::move(r.session);
     if (res == nullptr) {
-      m.ttft_seconds = since(r.t0);
+      m.ttft_seconds = seconds_since(r.t0);
     } else {
       const GenerateResult& g = res->generation;
       QualitySum& quality = r.quality;
@@ -473,7 +473,7 @@ class Run {
         m.scored_tokens = quality.n;
       }
       // The scheduler times submission to first token; before it, the step's own preparation.
-      m.ttft_seconds = g.tokens.empty() ? since(r.t0)
+      m.ttft_seconds = g.tokens.empty() ? seconds_since(r.t0)
                                         : std::chrono::duration<double>(r.submitted - r.t0).count() + res->ttft_seconds;
       m.prefill_computed += g.prefill_tokens;
       m.decode_tokens = static_cast<int>(g.tokens.size());
@@ -497,7 +497,7 @@ class Run {
     sample_peak_kv();
     outputs_[step.id] = result.output;
     results_[step.id] = std::move(result);
-    m.seconds = since(r.t0);
+    m.seconds = seconds_since(r.t0);
     return m;
   }
 

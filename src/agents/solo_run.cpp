@@ -8,6 +8,7 @@
 #include <chrono>
 
 #include "qkvshare/agents/orchestrator.hpp"
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/generate.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
@@ -19,7 +20,6 @@ namespace qkvshare::agents {
 RunReport run_solo(const Workflow& wf, const std::string& model_path, const std::string& tokenizer_path,
                    const RunOptions& opts) {
   using Clock = std::chrono::steady_clock;
-  const auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   RunReport report;
   report.workflow = wf.name;
   report.mode = RunMode::solo;
@@ -40,7 +40,7 @@ RunReport run_solo(const Workflow& wf, const std::string& model_path, const std:
   pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, pc.block_tokens, KvFormat::parse("f16"), capacity, 1);
   auto pool = KvPool::create(pc);
   Session session(std::make_unique<PooledKvCache>(pool, KvFormat::parse("f16"), capacity));
-  report.load_seconds = since(t_load);
+  report.load_seconds = seconds_since(t_load);
   const ReferenceTrace trace =
       opts.force_reference.empty() ? ReferenceTrace{} : ReferenceTrace::load(opts.force_reference);
 
@@ -72,7 +72,7 @@ RunReport run_solo(const Workflow& wf, const std::string& model_path, const std:
         step_generate_options(agent, opts.max_tokens_cap, forced != trace.steps.end() ? &forced->second : nullptr);
     const int n0 = session.n_past();
     const GenerateResult g = generate(engine, session, feed, go);
-    m.ttft_seconds = since(ts) - g.decode_seconds;
+    m.ttft_seconds = seconds_since(ts) - g.decode_seconds;
     m.prefill_computed = g.prefill_tokens;
     m.decode_tokens = static_cast<int>(g.tokens.size());
     m.output_tokens = g.tokens;
@@ -81,7 +81,7 @@ RunReport run_solo(const Workflow& wf, const std::string& model_path, const std:
     if (!g.tokens.empty() && session.n_past() < n0 + static_cast<int>(feed.size() + g.tokens.size()))
       pending.push_back(g.tokens.back());
     m.kv_bytes = static_cast<const PooledKvCache&>(session.cache()).kv_bytes();
-    m.seconds = since(ts);
+    m.seconds = seconds_since(ts);
     report.prefill_computed += m.prefill_computed;
     report.peak_kv_bytes = std::max(report.peak_kv_bytes, pool->counters().bytes_used);
     if (opts.progress)
@@ -90,7 +90,7 @@ RunReport run_solo(const Workflow& wf, const std::string& model_path, const std:
     report.steps.push_back(std::move(m));
     if (g.stop_reason == StopReason::context_full) break;  // the rest does not fit one context
   }
-  report.total_seconds = since(t0);
+  report.total_seconds = seconds_since(t0);
   report.forward_passes = 0;
   return report;
 }

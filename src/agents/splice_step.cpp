@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/clock.hpp"
 
 namespace qkvshare::agents {
 
@@ -69,7 +70,7 @@ PreparedSplice prepare_splice_step(Engine& engine, Session& session, SharePool* 
     }
   }
   add(prompt + turns.close_user());
-  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out.seconds = seconds_since(t0);
   return out;
 }
 

@@ -9,6 +9,7 @@
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
 namespace qkvshare::cli {
@@ -100,7 +101,7 @@ nlohmann::json run_batch_bench(Engine& engine, const BatchBenchArgs& a) {
             for (const BatchOutcome& o : engine.forward_batch(entries))
               if (!o.ok()) throw *o.error;
           }
-          const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          const double sec = seconds_since(t0);
           cells[{fi, depth, b}].seconds.push_back(sec);
           std::fprintf(stderr, "[bench] %s d%d B=%d rep %d/%d: %.3f s, aggregate %.2f tokens/s\n", a.kv[fi].c_str(),
                        depth, b, rep + 1, a.reps, sec, a.n_gen * b / std::max(sec, 1e-9));

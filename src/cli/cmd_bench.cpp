@@ -18,6 +18,7 @@
 #include "bench_batch.hpp"
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/engine/engine.hpp"
 
 namespace qkvshare::cli {
@@ -64,10 +65,6 @@ Summary summarize(std::vector<double> v) {
   for (const double x : v) ss += (x - s.mean) * (x - s.mean);
   s.stdev = n > 1 ? std::sqrt(ss / static_cast<double>(n - 1)) : 0.0;
   return s;
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // Peak resident set: VmHWM from /proc/self/status, else getrusage's ru_maxrss.

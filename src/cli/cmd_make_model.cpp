@@ -5,6 +5,7 @@
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/model/synthetic_model.hpp"
 
 namespace qkvshare::cli {
@@ -65,7 +66,7 @@ void run_make_model(const MakeModelArgs& a) {
                static_cast<double>(shape.n_params()) / 1e6, a.output.c_str());
   const auto t0 = std::chrono::steady_clock::now();
   const std::uint64_t bytes = write_synthetic_model(shape, options, a.output);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double s = seconds_since(t0);
   std::fprintf(stderr, "make-model: wrote %s (%.1f MiB) in %.1f s\n", a.output.c_str(),
                static_cast<double>(bytes) / (1024.0 * 1024.0), s);
 }

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 #include "qkvshare/share/fingerprint.hpp"
@@ -46,7 +47,7 @@ EngineOptions engine_options(const ModelArgs& args) {
 std::unique_ptr<Model> load_model(const ModelArgs& args) {
   const auto t0 = std::chrono::steady_clock::now();
   auto model = Model::load(args.model_path, args.tokenizer_path);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double s = seconds_since(t0);
   const ModelConfig& c = model->config();
   std::fprintf(stderr, "loaded %s (%s, %d layers, d_model %d, vocab %d, %.1f MiB weights) in %.3f s\n",
                args.model_path.c_str(), c.architecture.c_str(), c.n_layers, c.d_model, c.vocab_size,

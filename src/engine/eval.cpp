@@ -1,4 +1,5 @@
 #include "qkvshare/engine/eval.hpp"
+#include "qkvshare/core/clock.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -13,7 +14,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // log-softmax of one row into `out`; returns nothing, out[v] = x[v] - logsumexp(x).
 void log_softmax(const float* x, float* out, std::size_t n) {

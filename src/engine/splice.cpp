@@ -1,4 +1,5 @@
 #include "qkvshare/engine/splice.hpp"
+#include "qkvshare/core/clock.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -95,7 +96,7 @@ SpliceResult splice_tokens(Engine& engine, Session& session, const PooledKvCache
   }
   r.recomputed = done;
   r.reused = n - done;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.seconds = seconds_since(t0);
   return r;
 }
 

@@ -1,4 +1,5 @@
 #include "qkvshare/engine/splice_eval.hpp"
+#include "qkvshare/core/clock.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -11,7 +12,6 @@ namespace qkvshare {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 std::vector<double> log_softmax(std::span<const float> x) {
   double m = -1e300, s = 0;
@@ -100,7 +100,7 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       engine.forward(*s, join({&c.consumer_prefix, &c.chunk}));
       auto timing = std::make_unique<Session>(dynamic_cast<PooledKvCache&>(s->cache()).fork(), s->tokens());
       engine.forward(*timing, c.suffix);
-      ttft_text = since(t0);
+      ttft_text = seconds_since(t0);
       timing.reset();
       SpliceSample t;
       text_rows.clear();
@@ -122,7 +122,7 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       o.threshold = 1e30;  // measure, never escalate
       o.probe_tokens = probe_tokens;
       const SpliceResult r = splice_tokens(engine, *s, src, producer->tokens(), begin, end, o);
-      const double splice_s = since(t0);
+      const double splice_s = seconds_since(t0);
       out.estimate = std::max(0.0, r.estimate);
       out.recomputed = r.recomputed;
       out.reused = r.reused;
@@ -130,7 +130,7 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       auto timing = std::make_unique<Session>(dynamic_cast<PooledKvCache&>(s->cache()).fork(), s->tokens());
       const auto t1 = Clock::now();
       engine.forward(*timing, c.suffix);
-      out.ttft_splice = splice_s + since(t1);
+      out.ttft_splice = splice_s + seconds_since(t1);
       timing.reset();
       score(*s, out, nullptr);
       samples.push_back(out);

@@ -15,7 +15,7 @@ constexpr std::int64_t kMaxLayers = 1024;
 constexpr std::int64_t kMaxVocab = 1 << 22;
 constexpr std::int64_t kMaxSeq = 1 << 22;
 
-struct Cursor {
+struct CheckpointCursor {
   const MappedFile& file;
   std::size_t offset = 28;
 
@@ -94,7 +94,7 @@ std::unique_ptr<Model> Model::load_llama2c(const std::string& path, const std::s
   c.rope_style = RopeStyle::interleaved;
 
   // Layer-major arrays: each named tensor holds all layers back to back.
-  Cursor cur{file};
+  CheckpointCursor cur{file};
   const std::int64_t d = c.d_model, L = c.n_layers, kv = c.kv_dim(), ff = c.d_ff;
   TensorView emb = cur.take("token_embedding", d, vocab);
   TensorView rms_att = cur.take("rms_att_weight", d, L);

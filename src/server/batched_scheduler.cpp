@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "qkvshare/engine/scheduler.hpp"
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/server/metrics.hpp"
 #include "qkvshare/server/scheduler.hpp"
 #include "qkvshare/share/handoff.hpp"
@@ -22,7 +23,6 @@ namespace {
 constexpr int kMinAutoSplice = 32;
 
 using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 struct Choice {
   std::unique_ptr<Session> session;
@@ -315,13 +315,13 @@ class BatchedScheduler final : public Scheduler {
       Choice& ch = r.choices[static_cast<std::size_t>(i)];
       if (!r.first_token) {
         r.first_token = true;
-        r.job->ttft_seconds = since(r.job->submitted);
+        r.job->ttft_seconds = seconds_since(r.job->submitted);
         metrics_.observe("qkvshare_ttft_seconds", r.job->ttft_seconds);
         std::lock_guard lock(r.job->mu);
         r.job->started = true;
         r.job->cv.notify_all();
       } else {
-        metrics_.observe("qkvshare_token_latency_seconds", since(ch.last));
+        metrics_.observe("qkvshare_token_latency_seconds", seconds_since(ch.last));
       }
       ch.last = Clock::now();
       metrics_.add("qkvshare_tokens_decoded_total", "");
@@ -405,7 +405,7 @@ class BatchedScheduler final : public Scheduler {
     out.completion_tokens = static_cast<int>(res.generation.tokens.size());
     if (!r.first_token) {  // ended before any token (end of generation at once)
       r.first_token = true;
-      r.job->ttft_seconds = since(r.job->submitted);
+      r.job->ttft_seconds = seconds_since(r.job->submitted);
       metrics_.observe("qkvshare_ttft_seconds", r.job->ttft_seconds);
     }
     emit(*r.job, index, "", out.finish_reason);

@@ -1,4 +1,5 @@
 #include "qkvshare/share/handoff.hpp"
+#include "qkvshare/core/clock.hpp"
 
 #include <chrono>
 
@@ -62,7 +63,7 @@ HandoffResult open_session(SharePool& pool, Engine& engine, const ModelFingerpri
     opened.cache->set_rope(engine.rope());  // an evicted or spliced context reads its segments moved
     result.session = std::make_unique<Session>(std::move(opened.cache), std::move(opened.tokens));
     result.kv = true;
-    result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    result.seconds = seconds_since(t0);
     return result;
   }
   if (want_kv) {
@@ -99,7 +100,7 @@ HandoffResult open_session(SharePool& pool, Engine& engine, const ModelFingerpri
   result.detail = detail;
   result.prefill_tokens = static_cast<int>(ids.size());
   pool.count(why);
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  result.seconds = seconds_since(t0);
   return result;
 }
 

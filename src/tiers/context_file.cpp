@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "qkvshare/core/error.hpp"
+#include "le_bytes.hpp"
 
 namespace qkvshare {
 
@@ -26,17 +27,8 @@ constexpr bool kLittleHost = std::endian::native == std::endian::little;
 
 std::size_t round_up(std::size_t x, std::size_t a) { return (x + a - 1) / a * a; }
 
-// Byte-by-byte stores and loads: the same on every host.
-void put(std::vector<std::uint8_t>& out, std::uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
-}
-std::uint64_t get(const std::uint8_t* p, int bytes) {
-  std::uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= static_cast<std::uint64_t>(p[i]) << (8 * i);
-  return v;
-}
-std::uint32_t get32(const std::uint8_t* p) { return static_cast<std::uint32_t>(get(p, 4)); }
-std::uint64_t get64(const std::uint8_t* p) { return get(p, 8); }
+std::uint32_t get32(const std::uint8_t* p) { return static_cast<std::uint32_t>(le::get(p, 4)); }
+std::uint64_t get64(const std::uint8_t* p) { return le::get(p, 8); }
 
 template <typename T>
 T byteswap_if_big(T v) {
@@ -96,12 +88,12 @@ std::uint32_t format_flags(const KvFormat& f) {
 // block of keys stored before RoPE also names where they were computed.
 std::vector<std::uint8_t> block_aad(const ContextBlock& b) {
   std::vector<std::uint8_t> v;
-  put(v, b.k.pack(), 4);
-  put(v, b.v.pack(), 4);
-  put(v, b.flags, 4);
-  put(v, b.fill, 4);
-  put(v, b.checksum, 8);
-  if ((b.flags & kFormatKeyRope) != 0) put(v, static_cast<std::uint32_t>(b.key_position), 4);
+  le::put(v, b.k.pack(), 4);
+  le::put(v, b.v.pack(), 4);
+  le::put(v, b.flags, 4);
+  le::put(v, b.fill, 4);
+  le::put(v, b.checksum, 8);
+  if ((b.flags & kFormatKeyRope) != 0) le::put(v, static_cast<std::uint32_t>(b.key_position), 4);
   return v;
 }
 
@@ -176,50 +168,50 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
 
   std::vector<std::uint8_t> h;
   h.insert(h.end(), kMagic, kMagic + 8);
-  put(h, kContextFileVersion, 2);
-  put(h, kContextHeaderBytes, 2);
-  put(h, cipher ? kFlagEncrypted : 0u, 4);
+  le::put(h, kContextFileVersion, 2);
+  le::put(h, kContextHeaderBytes, 2);
+  le::put(h, cipher ? kFlagEncrypted : 0u, 4);
   h.insert(h.end(), m.model_fingerprint.begin(), m.model_fingerprint.end());
-  put(h, m.tokenizer_fingerprint, 8);
-  put(h, static_cast<std::uint32_t>(m.shape.n_layers), 4);
-  put(h, static_cast<std::uint32_t>(m.shape.n_heads), 4);
-  put(h, static_cast<std::uint32_t>(m.shape.n_kv_heads), 4);
-  put(h, static_cast<std::uint32_t>(m.shape.head_dim), 4);
-  put(h, static_cast<std::uint32_t>(m.block_tokens), 4);
-  put(h, m.format.k.pack(), 4);
-  put(h, m.format.v.pack(), 4);
-  put(h, static_cast<std::uint32_t>(m.format.window), 4);
-  put(h, static_cast<std::uint32_t>(m.format.sink), 4);
-  put(h, format_flags(m.format), 4);
-  put(h, m.tokens.size(), 4);
-  put(h, m.text.size(), 4);
-  put(h, m.segments.size(), 4);
-  put(h, n, 4);
-  put(h, cipher ? cipher->key_id() : 0u, 8);
-  put(h, sec.payload, 8);
-  put(h, total, 8);
+  le::put(h, m.tokenizer_fingerprint, 8);
+  le::put(h, static_cast<std::uint32_t>(m.shape.n_layers), 4);
+  le::put(h, static_cast<std::uint32_t>(m.shape.n_heads), 4);
+  le::put(h, static_cast<std::uint32_t>(m.shape.n_kv_heads), 4);
+  le::put(h, static_cast<std::uint32_t>(m.shape.head_dim), 4);
+  le::put(h, static_cast<std::uint32_t>(m.block_tokens), 4);
+  le::put(h, m.format.k.pack(), 4);
+  le::put(h, m.format.v.pack(), 4);
+  le::put(h, static_cast<std::uint32_t>(m.format.window), 4);
+  le::put(h, static_cast<std::uint32_t>(m.format.sink), 4);
+  le::put(h, format_flags(m.format), 4);
+  le::put(h, m.tokens.size(), 4);
+  le::put(h, m.text.size(), 4);
+  le::put(h, m.segments.size(), 4);
+  le::put(h, n, 4);
+  le::put(h, cipher ? cipher->key_id() : 0u, 8);
+  le::put(h, sec.payload, 8);
+  le::put(h, total, 8);
   QKV_CHECK(h.size() == kContextHeaderBytes - 8);
-  put(h, XXH3_64bits(h.data(), h.size()), 8);
+  le::put(h, XXH3_64bits(h.data(), h.size()), 8);
 
   std::vector<std::uint8_t> meta;
-  for (std::int32_t t : m.tokens) put(meta, static_cast<std::uint32_t>(t), 4);
+  for (std::int32_t t : m.tokens) le::put(meta, static_cast<std::uint32_t>(t), 4);
   meta.insert(meta.end(), m.text.begin(), m.text.end());
   meta.resize(sec.segments - kContextHeaderBytes, 0);
   for (const ContextSegment& s : m.segments) {
-    put(meta, static_cast<std::uint32_t>(s.position_offset), 4);
-    put(meta, s.blocks, 4);
+    le::put(meta, static_cast<std::uint32_t>(s.position_offset), 4);
+    le::put(meta, s.blocks, 4);
   }
   for (const ContextBlock& b : table) {
-    put(meta, b.k.pack(), 4);
-    put(meta, b.v.pack(), 4);
-    put(meta, b.flags, 4);
-    put(meta, b.fill, 4);
-    put(meta, b.payload_offset, 8);
-    put(meta, b.checksum, 8);
-    put(meta, static_cast<std::uint32_t>((b.flags & kFormatKeyRope) != 0 ? b.key_position : 0), 4);
-    put(meta, 0u, 4);
+    le::put(meta, b.k.pack(), 4);
+    le::put(meta, b.v.pack(), 4);
+    le::put(meta, b.flags, 4);
+    le::put(meta, b.fill, 4);
+    le::put(meta, b.payload_offset, 8);
+    le::put(meta, b.checksum, 8);
+    le::put(meta, static_cast<std::uint32_t>((b.flags & kFormatKeyRope) != 0 ? b.key_position : 0), 4);
+    le::put(meta, 0u, 4);
   }
-  put(meta, XXH3_64bits(meta.data(), meta.size()), 8);
+  le::put(meta, XXH3_64bits(meta.data(), meta.size()), 8);
   meta.resize(sec.payload - kContextHeaderBytes, 0);
   sink(h);
   sink(meta);
@@ -262,13 +254,13 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
          bytes.size(), kContextHeaderBytes);
   const std::uint8_t* p = bytes.data();
   if (std::memcmp(p, kMagic, 8) != 0) bad("not a QKVShare context file (magic)");
-  const auto version = static_cast<std::uint16_t>(get(p + 8, 2));
+  const auto version = static_cast<std::uint16_t>(le::get(p + 8, 2));
   if (version != 1 && version != kContextFileVersion)
     fail(ErrorCode::bad_descriptor, "{}: format version {}, this build reads versions 1 to {}", name_, version,
          kContextFileVersion);
   const std::size_t block_entry = version == 1 ? kBlockEntryV1 : kBlockEntry;
   const std::uint32_t known_fflags = version == 1 ? 3u : 11u;
-  if (get(p + 10, 2) != kContextHeaderBytes) bad("header size field is not 128");
+  if (le::get(p + 10, 2) != kContextHeaderBytes) bad("header size field is not 128");
   if (XXH3_64bits(p, kContextHeaderBytes - 8) != get64(p + kContextHeaderBytes - 8))
     bad("header checksum does not match (corrupted or edited header)");
   const std::uint32_t flags = get32(p + 12);

@@ -1,4 +1,5 @@
 #include "qkvshare/tiers/context_tiers.hpp"
+#include "qkvshare/core/clock.hpp"
 
 #include <chrono>
 #include <climits>
@@ -8,12 +9,6 @@
 #include "qkvshare/core/error.hpp"
 
 namespace qkvshare {
-
-namespace {
-double since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-}  // namespace
 
 struct ContextTiers::Entry {
   std::string producer;
@@ -117,10 +112,10 @@ Descriptor ContextTiers::acquire(const std::string& producer, const std::string&
     lock.unlock();
     f.get();  // a failed prefetch rethrows here, naming the file
     lock.lock();
-    stats_.restore_wait_seconds += since(t0);
+    stats_.restore_wait_seconds += seconds_since(t0);
   } else if (!e.resident) {
     restore_into(e, lock, false);
-    stats_.restore_wait_seconds += since(t0);
+    stats_.restore_wait_seconds += seconds_since(t0);
   }
   e.last_use = ++clock_;
   const auto g = e.grants.find(consumer);
@@ -235,7 +230,7 @@ bool ContextTiers::demote_locked(Entry& e) {
     e.on_disk = false;
   }
   e.kv_bytes = record.bytes_after;
-  record.seconds = since(t0);
+  record.seconds = seconds_since(t0);
   stats_.demotions.push_back(std::move(record));
   return true;
 }

@@ -1,4 +1,5 @@
 #include "qkvshare/tiers/disk_tier.hpp"
+#include "qkvshare/core/clock.hpp"
 
 #include <unistd.h>
 
@@ -11,12 +12,6 @@
 #include "qkvshare/tiers/file_io.hpp"
 
 namespace qkvshare {
-
-namespace {
-double since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-}  // namespace
 
 DiskTier::DiskTier(std::string dir, std::shared_ptr<const BlockCipher> cipher)
     : dir_(std::move(dir)), cipher_(std::move(cipher)) {
@@ -44,7 +39,7 @@ SpillResult DiskTier::spill(SharePool& pool, const Descriptor& d, std::string_vi
   r.file_bytes = write_file_atomic(r.path, [&](const ByteSink& sink) {
     write_pooled_context(*opened.cache, opened.tokens, opened.text, d.fingerprint, sink, cipher_.get());
   });
-  r.seconds = since(t0);
+  r.seconds = seconds_since(t0);
   return r;
 }
 
@@ -57,7 +52,7 @@ RestoreResult DiskTier::restore(SharePool& pool, std::string_view name, std::str
   RestoreResult r;
   r.sealed = import_sealed(pool, reader, producer, expected, cipher_.get());
   r.file_bytes = file.size();
-  r.seconds = since(t0);
+  r.seconds = seconds_since(t0);
   return r;
 }
 

@@ -1,4 +1,5 @@
 #include "qkvshare/tiers/redis_tier.hpp"
+#include "qkvshare/core/clock.hpp"
 
 #include <hiredis/hiredis.h>
 #include <xxhash.h>
@@ -9,16 +10,13 @@
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/tiers/context_io.hpp"
+#include "le_bytes.hpp"
 
 namespace qkvshare {
 
 namespace {
 
 constexpr char kManifestMagic[4] = {'Q', 'K', 'V', 'M'};
-
-double since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
 
 std::string hex(const void* data, std::size_t n) {
   static constexpr char d[] = "0123456789abcdef";
@@ -29,15 +27,6 @@ std::string hex(const void* data, std::size_t n) {
     s += d[b & 15];
   }
   return s;
-}
-
-void put(std::vector<std::uint8_t>& out, std::uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
-}
-std::uint64_t get(const std::uint8_t* p, int bytes) {
-  std::uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= static_cast<std::uint64_t>(p[i]) << (8 * i);
-  return v;
 }
 
 struct Reply {
@@ -125,9 +114,9 @@ PushResult RedisTier::push(SharePool& pool, const Descriptor& d, std::string_vie
   // Manifest: the header and tables, then each block's content address.
   const std::size_t prefix = reader.meta().blocks.front().payload_offset;
   std::vector<std::uint8_t> manifest(kManifestMagic, kManifestMagic + 4);
-  put(manifest, prefix, 8);
+  le::put(manifest, prefix, 8);
   manifest.insert(manifest.end(), bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(prefix));
-  put(manifest, meta.blocks.size(), 4);
+  le::put(manifest, meta.blocks.size(), 4);
   std::vector<std::string> keys;
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const ContextBlock& b = reader.meta().blocks[i];
@@ -191,7 +180,7 @@ PushResult RedisTier::push(SharePool& pool, const Descriptor& d, std::string_vie
   result.ref.tokens = static_cast<int>(opened.tokens.size());
   result.ref.fingerprint = d.fingerprint;
   result.ref.token_ids = opened.tokens;
-  result.seconds = since(t0);
+  result.seconds = seconds_since(t0);
   return result;
 }
 
@@ -210,13 +199,13 @@ std::vector<std::uint8_t> RedisTier::fetch(const std::string& name, std::uint64_
       fail(ErrorCode::bad_descriptor, "remote context '{}': manifest {}", name, why);
     };
     if (n < 16 || std::memcmp(p, kManifestMagic, 4) != 0) bad("is not a QKVShare manifest");
-    const std::uint64_t prefix = get(p + 4, 8);
+    const std::uint64_t prefix = le::get(p + 4, 8);
     if (prefix < kContextHeaderBytes || prefix > n - 16) bad("prefix length is out of range");
-    const std::uint32_t blocks = static_cast<std::uint32_t>(get(p + 12 + prefix, 4));
+    const std::uint32_t blocks = static_cast<std::uint32_t>(le::get(p + 12 + prefix, 4));
     if (n != 16 + prefix + std::size_t{16} * blocks) bad("length does not match its block count");
     // The header and tables are validated once the bytes are whole (ContextReader).
     std::vector<std::uint8_t> bytes(p + 12, p + 12 + prefix);
-    std::uint64_t key_id = get(bytes.data() + 96, 8);
+    std::uint64_t key_id = le::get(bytes.data() + 96, 8);
     const std::string key_prefix = "qkv:blk:" + hex(&key_id, 8) + ":";
     std::vector<std::string> keys;
     for (std::uint32_t i = 0; i < blocks; ++i) keys.push_back(key_prefix + hex(p + 16 + prefix + 16 * i, 16));
@@ -286,7 +275,7 @@ RemoteOpen RedisTier::open(SharePool& pool, Engine& engine, const ModelFingerpri
     out.handoff.detail = out.problem;
     out.handoff.prefill_tokens = static_cast<int>(ref.token_ids.size());
   }
-  out.seconds = since(t0);
+  out.seconds = seconds_since(t0);
   out.handoff.seconds = out.seconds;
   return out;
 }

@@ -13,8 +13,8 @@
 namespace qkvshare::agents {
 namespace {
 
-const std::string kModel = testing::shared_path("models/stories260K.bin");
-const std::string kTok = testing::shared_path("models/tok512.bin");
+const std::string kStoriesModel = testing::shared_path("models/stories260K.bin");
+const std::string kStoriesTok = testing::shared_path("models/tok512.bin");
 
 // Two producers whose consumers run later: after both, the budget holds one
 // context, so the one needed last is spilled and prefetched while the first
@@ -60,7 +60,7 @@ TEST(OrchestratorTiers, BudgetOf40PercentOfPeakGivesTheSameTokens) {
   for (const char* kv : {"f16", "int4"}) {
     for (const bool prefetch : {true, false}) {
       SCOPED_TRACE(std::string(kv) + (prefetch ? " prefetch" : " on demand"));
-      const RunReport free_run = run_workflow(wf, kModel, kTok, options(kv));
+      const RunReport free_run = run_workflow(wf, kStoriesModel, kStoriesTok, options(kv));
       RunOptions o = options(kv);
       o.tiers.budget_bytes = free_run.peak_kv_bytes * 4 / 10;
       o.tiers.spill_dir = testing::temp_dir() + "/spill";
@@ -68,7 +68,7 @@ TEST(OrchestratorTiers, BudgetOf40PercentOfPeakGivesTheSameTokens) {
       std::array<std::uint8_t, KeyCipher::kKeyBytes> key{};
       key[0] = 9;
       o.tiers.cipher = std::make_shared<KeyCipher>(key);
-      const RunReport r = run_workflow(wf, kModel, kTok, o);
+      const RunReport r = run_workflow(wf, kStoriesModel, kStoriesTok, o);
       expect_same_tokens(free_run, r);
       EXPECT_GT(r.tiers.spills, 0);
       EXPECT_GT(r.tiers.bytes_written, 0u);
@@ -92,12 +92,12 @@ TEST(OrchestratorTiers, BudgetOf40PercentOfPeakGivesTheSameTokens) {
 // changed, and leaves nothing behind. Tokens may differ (demotion is lossy).
 TEST(OrchestratorTiers, DemotionToInt4HoldsTheBudgetAndReportsEachDemotion) {
   const Workflow wf = Workflow::parse(kTwoStories, "two.yaml");
-  const RunReport free_run = run_workflow(wf, kModel, kTok, options("int8"));
+  const RunReport free_run = run_workflow(wf, kStoriesModel, kStoriesTok, options("int8"));
   RunOptions o = options("int8");
   o.tiers.budget_bytes = free_run.peak_kv_bytes * 4 / 10;
   o.tiers.spill_dir = testing::temp_dir() + "/demote";
   o.tiers.demote = KvFormat::parse("int4");
-  const RunReport r = run_workflow(wf, kModel, kTok, o);
+  const RunReport r = run_workflow(wf, kStoriesModel, kStoriesTok, o);
   ASSERT_EQ(r.steps.size(), free_run.steps.size());
   EXPECT_FALSE(r.tiers.demotions.empty());
   for (const TierDemotion& d : r.tiers.demotions) {
@@ -123,7 +123,7 @@ TEST(OrchestratorTiers, SpillFolderThatCannotBeCreatedIsAClearError) {
   o.tiers.budget_bytes = 1;
   o.tiers.spill_dir = "/proc/qkvshare-no-such-folder/spill";
   try {
-    run_workflow(wf, kModel, kTok, o);
+    run_workflow(wf, kStoriesModel, kStoriesTok, o);
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::io);

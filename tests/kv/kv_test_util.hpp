@@ -10,6 +10,9 @@
 
 namespace qkvshare::testing {
 
+// stories260K's KV shape: 5 layers, 8 query heads, 4 KV heads of 8.
+inline const KvShape kStoriesKvShape{5, 8, 4, 8};
+
 struct Pass {
   std::vector<std::vector<float>> k, v, q;  // per layer
 };

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "kv_test_util.hpp"
 #include "qkvshare/kv/block_checksums.hpp"
 #include "qkvshare/kv/kv_pool.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
@@ -18,18 +19,18 @@
 namespace qkvshare {
 namespace {
 
-const KvShape kShape{5, 8, 4, 8};  // stories260K
+using testing::kStoriesKvShape;
 
-std::shared_ptr<KvPool> make_pool() { return KvPool::create(PoolConfig{kShape, 32, 4u << 20}); }
+std::shared_ptr<KvPool> make_pool() { return KvPool::create(PoolConfig{kStoriesKvShape, 32, 4u << 20}); }
 
 // Writes n tokens of random K/V in passes of `chunk` tokens.
 void fill(PooledKvCache& cache, int n, int chunk, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> g;
-  std::vector<float> k(static_cast<std::size_t>(chunk) * kShape.kv_dim()), v(k.size());
+  std::vector<float> k(static_cast<std::size_t>(chunk) * kStoriesKvShape.kv_dim()), v(k.size());
   for (int done = 0; done < n; done += chunk) {
     const int m = std::min(chunk, n - done);
-    for (int l = 0; l < kShape.n_layers; ++l) {
+    for (int l = 0; l < kStoriesKvShape.n_layers; ++l) {
       for (auto& x : k) x = g(rng);
       for (auto& x : v) x = g(rng);
       cache.write(l, m, k.data(), v.data());

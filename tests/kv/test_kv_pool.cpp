@@ -5,16 +5,17 @@
 #include <thread>
 #include <vector>
 
+#include "kv_test_util.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/kv_pool.hpp"
 
 namespace qkvshare {
 namespace {
 
-const KvShape kShape{5, 8, 4, 8};  // stories260K
+using testing::kStoriesKvShape;
 
 std::shared_ptr<KvPool> make_pool(std::size_t bytes, int block_tokens = 32) {
-  return KvPool::create(PoolConfig{kShape, block_tokens, bytes});
+  return KvPool::create(PoolConfig{kStoriesKvShape, block_tokens, bytes});
 }
 
 TEST(KvPool, AllocateReleaseAccounting) {
@@ -56,8 +57,8 @@ TEST(KvPool, TilesOfABlockAreDisjointAndInsideItsPages) {
   for (const BlockRef r : {a, b}) {
     const BlockInfo info = pool->info(r);
     for (int kind = 0; kind < 2; ++kind)
-      for (int l = 0; l < kShape.n_layers; ++l)
-        for (int h = 0; h < kShape.n_kv_heads; ++h)
+      for (int l = 0; l < kStoriesKvShape.n_layers; ++l)
+        for (int h = 0; h < kStoriesKvShape.n_kv_heads; ++h)
           tiles.emplace_back(pool->tile(r, kind, l, h), tile_layout(kind == 0 ? info.k : info.v, 32, 8).bytes);
   }
   for (std::size_t i = 0; i < tiles.size(); ++i) std::memset(tiles[i].first, static_cast<int>(i % 251), tiles[i].second);
@@ -152,7 +153,7 @@ class BorrowedArena final : public Arena {
 
 TEST(KvPool, AttachValidatesAndSharesState) {
   HeapArena bytes(1 << 20);
-  auto a = KvPool::create(PoolConfig{kShape, 32, 0}, std::make_unique<BorrowedArena>(bytes.data(), bytes.size()));
+  auto a = KvPool::create(PoolConfig{kStoriesKvShape, 32, 0}, std::make_unique<BorrowedArena>(bytes.data(), bytes.size()));
   const BlockRef r = a->allocate(KvCodec::f16(), KvCodec::f16(), 0);
   std::memset(a->tile(r, 1, 2, 3), 0x5a, 16);
   auto b = KvPool::attach(std::make_unique<BorrowedArena>(bytes.data(), bytes.size()));

@@ -17,7 +17,7 @@
 namespace qkvshare {
 namespace {
 
-const char* const kFormats[] = {"f32", "f16", "int8", "int8:kaxis=token", "k8v4", "int4", "int3", "int2",
+const char* const kSpliceFormats[] = {"f32", "f16", "int8", "int8:kaxis=token", "k8v4", "int4", "int3", "int2",
                                 "int2:window=20:sink=3", "int4:rot=kv", "int3:rot=k", "k4v2:vgroup=8",
                                 "f32:keys=pre", "int4:keys=pre", "int2:window=20:sink=3:keys=pre:rot=v",
                                 "f32:keys=block", "int4:keys=block", "k8v4:keys=block:rot=v"};
@@ -123,7 +123,7 @@ float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return m;
 }
 
-struct Case {
+struct SpliceCase {
   KvShape shape;
   int block_tokens;
   int producer_tokens;  // > 16 blocks exercises the split-K decode partitions inside a segment
@@ -142,11 +142,11 @@ std::vector<AttendPath> every_path() {
 // written in passes]; the spliced segment starts and ends inside blocks.
 TEST(KvSplice, SegmentAttentionEqualsFreshComputationAtNewPositions) {
   ThreadPool threads(2);
-  const Case cases[] = {{{2, 6, 3, 16}, 8, 45}, {{1, 4, 2, 32}, 4, 90}};
+  const SpliceCase cases[] = {{{2, 6, 3, 16}, 8, 45}, {{1, 4, 2, 32}, 4, 90}};
   for (const bool codes : {false, true})
   for (const auto style : {kernels::RopeStyle::interleaved, kernels::RopeStyle::neox})
-    for (const Case& cs : cases)
-      for (const char* text : kFormats)
+    for (const SpliceCase& cs : cases)
+      for (const char* text : kSpliceFormats)
         for (const AttendPath path : every_path()) {
           const testing::CodesAttentionScope scope(codes);
           const KvShape& s = cs.shape;

@@ -14,21 +14,21 @@
 namespace qkvshare {
 namespace {
 
-const KvShape kShape{2, 6, 3, 16};
-constexpr int kT = 8;
+const KvShape kRecodeShape{2, 6, 3, 16};
+constexpr int kRecodeBlock = 8;
 
-std::vector<float> rows_of(const PooledKvCache& c, int layer, int kind, int head) {
-  std::vector<float> out(static_cast<std::size_t>(c.size()) * kShape.head_dim);
+std::vector<float> recode_rows(const PooledKvCache& c, int layer, int kind, int head) {
+  std::vector<float> out(static_cast<std::size_t>(c.size()) * kRecodeShape.head_dim);
   c.read_rows(layer, kind, head, 0, c.size(), out.data());
   return out;
 }
 
 // sqrt(sum (b - a)^2 / sum a^2) over every layer and KV head of one kind.
-double rel_rms(const PooledKvCache& a, const PooledKvCache& b, int kind) {
+double recode_rel_rms(const PooledKvCache& a, const PooledKvCache& b, int kind) {
   double err = 0, energy = 0;
-  for (int l = 0; l < kShape.n_layers; ++l)
-    for (int h = 0; h < kShape.n_kv_heads; ++h) {
-      const auto x = rows_of(a, l, kind, h), y = rows_of(b, l, kind, h);
+  for (int l = 0; l < kRecodeShape.n_layers; ++l)
+    for (int h = 0; h < kRecodeShape.n_kv_heads; ++h) {
+      const auto x = recode_rows(a, l, kind, h), y = recode_rows(b, l, kind, h);
       for (std::size_t i = 0; i < x.size(); ++i) {
         energy += double(x[i]) * x[i];
         err += (double(y[i]) - x[i]) * (double(y[i]) - x[i]);
@@ -45,10 +45,10 @@ TEST(PooledKvRecode, CopyReadsTheSourceRowsCodedAgainAndReportsTheChange) {
            {"k8v4:rot=kv", "int2:rot=kv"}}) {
     SCOPED_TRACE(std::string(from) + " -> " + to);
     const KvFormat ff = KvFormat::parse(from), tf = KvFormat::parse(to);
-    auto pool = KvPool::create(PoolConfig{kShape, kT, KvPool::arena_bytes_for(kShape, kT, KvFormat::parse("f16"), 128, 4)});
+    auto pool = KvPool::create(PoolConfig{kRecodeShape, kRecodeBlock, KvPool::arena_bytes_for(kRecodeShape, kRecodeBlock, KvFormat::parse("f16"), 128, 4)});
     {
       PooledKvCache src(pool, ff, 128);
-      testing::run_pass(src, testing::random_pass(kShape, n, 7), n, threads);
+      testing::run_pass(src, testing::random_pass(kRecodeShape, n, 7), n, threads);
       const auto used = pool->counters().blocks_used;
       PooledKvCache::RecodeCost cost;
       const auto copy = src.recoded(tf, &cost);
@@ -57,19 +57,19 @@ TEST(PooledKvRecode, CopyReadsTheSourceRowsCodedAgainAndReportsTheChange) {
       EXPECT_EQ(cost.blocks_recoded + cost.blocks_shared, 8);
       EXPECT_EQ(pool->counters().blocks_used, used + static_cast<std::uint32_t>(cost.blocks_recoded));
       // The change it reports is the change a reader of the copy sees.
-      EXPECT_NEAR(cost.k_rel_rms, rel_rms(src, *copy, 0), 1e-6);
-      EXPECT_NEAR(cost.v_rel_rms, rel_rms(src, *copy, 1), 1e-6);
+      EXPECT_NEAR(cost.k_rel_rms, recode_rel_rms(src, *copy, 0), 1e-6);
+      EXPECT_NEAR(cost.v_rel_rms, recode_rel_rms(src, *copy, 1), 1e-6);
       EXPECT_GT(cost.k_rel_rms + cost.v_rel_rms, 0.0);
       EXPECT_LT(cost.k_rel_rms, tf.k.type == KvType::q2 ? 0.6 : 0.2);
       // Every cold block now holds the target's codecs; the tail stays hot.
       for (std::size_t b = 0; b < copy->segments()[0].blocks.size(); ++b) {
         const BlockInfo info = pool->info(copy->segments()[0].blocks[b]);
-        const bool hot = static_cast<int>(info.fill) < kT || tf.block_is_hot(static_cast<int>(b), n, kT);
+        const bool hot = static_cast<int>(info.fill) < kRecodeBlock || tf.block_is_hot(static_cast<int>(b), n, kRecodeBlock);
         EXPECT_EQ(info.k, hot ? hot_codec(tf.k) : tf.k) << b;
         EXPECT_EQ(info.v, hot ? hot_codec(tf.v) : tf.v) << b;
       }
       // The copy continues like any context of its format.
-      testing::run_pass(*copy, testing::random_pass(kShape, 5, 8), 5, threads);
+      testing::run_pass(*copy, testing::random_pass(kRecodeShape, 5, 8), 5, threads);
       EXPECT_EQ(copy->size(), n + 5);
     }
     EXPECT_EQ(pool->counters().blocks_used, 0u);
@@ -78,9 +78,9 @@ TEST(PooledKvRecode, CopyReadsTheSourceRowsCodedAgainAndReportsTheChange) {
 
 TEST(PooledKvRecode, BlocksAlreadyInTheTargetCodecAreSharedUnchanged) {
   ThreadPool threads(1);
-  auto pool = KvPool::create(PoolConfig{kShape, kT, 1 << 20});
+  auto pool = KvPool::create(PoolConfig{kRecodeShape, kRecodeBlock, 1 << 20});
   PooledKvCache src(pool, KvFormat::parse("int4"), 64);
-  testing::run_pass(src, testing::random_pass(kShape, 20, 3), 20, threads);
+  testing::run_pass(src, testing::random_pass(kRecodeShape, 20, 3), 20, threads);
   PooledKvCache::RecodeCost cost;
   const auto copy = src.recoded(KvFormat::parse("int4"), &cost);
   EXPECT_EQ(cost.blocks_recoded, 0);
@@ -93,9 +93,9 @@ TEST(PooledKvRecode, BlocksAlreadyInTheTargetCodecAreSharedUnchanged) {
 TEST(PooledKvRecode, SegmentsOffsetsAndPositionGapAreKept) {
   ThreadPool threads(1);
   const KvFormat f = KvFormat::parse("int8:budget=0.5");
-  auto pool = KvPool::create(PoolConfig{kShape, kT, 1 << 21});
+  auto pool = KvPool::create(PoolConfig{kRecodeShape, kRecodeBlock, 1 << 21});
   PooledKvCache src(pool, f, 128);
-  testing::run_pass(src, testing::random_pass(kShape, 64, 11), 64, threads);
+  testing::run_pass(src, testing::random_pass(kRecodeShape, 64, 11), 64, threads);
   ASSERT_FALSE(src.evict().empty());
   ASSERT_GT(src.segments().size(), 1u);
   const auto copy = src.recoded(KvFormat::parse("int4"));
@@ -107,14 +107,14 @@ TEST(PooledKvRecode, SegmentsOffsetsAndPositionGapAreKept) {
   }
   EXPECT_EQ(copy->size(), src.size());
   EXPECT_EQ(copy->position_gap(), src.position_gap());
-  EXPECT_LT(rel_rms(src, *copy, 1), 0.2);
+  EXPECT_LT(recode_rel_rms(src, *copy, 1), 0.2);
 }
 
 TEST(PooledKvRecode, FormatsStoredOtherwiseOrOfTwoPrecisionsAreRefused) {
   ThreadPool threads(1);
-  auto pool = KvPool::create(PoolConfig{kShape, kT, 1 << 20});
+  auto pool = KvPool::create(PoolConfig{kRecodeShape, kRecodeBlock, 1 << 20});
   PooledKvCache src(pool, KvFormat::parse("int8"), 64);
-  testing::run_pass(src, testing::random_pass(kShape, 20, 3), 20, threads);
+  testing::run_pass(src, testing::random_pass(kRecodeShape, 20, 3), 20, threads);
   const auto used = pool->counters().blocks_used;
   for (const char* bad : {"int4:rot=k", "int4:keys=pre", "int8:lo=int2:top=0.5", "int4:budget=0.5"}) {
     try {
@@ -130,10 +130,10 @@ TEST(PooledKvRecode, FormatsStoredOtherwiseOrOfTwoPrecisionsAreRefused) {
 
 TEST(PooledKvRecode, PoolExhaustionGivesEveryBlockBackAndLeavesTheSourceAsItWas) {
   ThreadPool threads(1);
-  auto pool = KvPool::create(PoolConfig{kShape, kT, 1 << 20});
+  auto pool = KvPool::create(PoolConfig{kRecodeShape, kRecodeBlock, 1 << 20});
   PooledKvCache src(pool, KvFormat::parse("int8"), 64);
-  testing::run_pass(src, testing::random_pass(kShape, 4 * kT, 5), 4 * kT, threads);
-  const auto before = rows_of(src, 1, 0, 2);
+  testing::run_pass(src, testing::random_pass(kRecodeShape, 4 * kRecodeBlock, 5), 4 * kRecodeBlock, threads);
+  const auto before = recode_rows(src, 1, 0, 2);
   // Fill the pool, then leave room for two of the four int4 blocks the copy needs.
   const KvCodec q4 = KvFormat::parse("int4").k;
   std::vector<BlockRef> filler;
@@ -155,7 +155,7 @@ TEST(PooledKvRecode, PoolExhaustionGivesEveryBlockBackAndLeavesTheSourceAsItWas)
     EXPECT_EQ(e.code(), ErrorCode::out_of_memory) << e.what();
   }
   EXPECT_EQ(pool->counters().blocks_used, used);
-  EXPECT_EQ(rows_of(src, 1, 0, 2), before);
+  EXPECT_EQ(recode_rows(src, 1, 0, 2), before);
   for (const BlockRef b : filler) pool->release(b);
 }
 

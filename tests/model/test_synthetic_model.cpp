@@ -18,13 +18,13 @@
 namespace qkvshare {
 namespace {
 
-std::string read_bytes(const std::string& path) {
+std::string file_contents(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 template <typename F>
-void expect_error(F&& f, ErrorCode code, const std::string& substring) {
+void expect_model_error(F&& f, ErrorCode code, const std::string& substring) {
   try {
     f();
     ADD_FAILURE() << "no error; expected one containing '" << substring << "'";
@@ -55,7 +55,7 @@ TEST(SyntheticVocab, IsAConsistentByteLevelBpe) {
     EXPECT_EQ(v.tokens['A'], "A");
     EXPECT_EQ(v.tokens[' '], "\xC4\xA0");  // GPT-2's byte-to-unicode: space is U+0120
   }
-  expect_error([] { make_synthetic_vocab(258); }, ErrorCode::invalid_argument, "258");
+  expect_model_error([] { make_synthetic_vocab(258); }, ErrorCode::invalid_argument, "258");
 }
 
 TEST(SyntheticShapes, NamedShapesHaveTheRealModelsDimensions) {
@@ -77,22 +77,22 @@ TEST(SyntheticShapes, NamedShapesHaveTheRealModelsDimensions) {
 }
 
 TEST(SyntheticShapes, BadNamesTypesAndShapesAreClearErrors) {
-  expect_error([] { find_synthetic_shape("gpt-5"); }, ErrorCode::invalid_argument, "known: smollm2-135m");
-  expect_error([] { parse_synthetic_type("Q8_K"); }, ErrorCode::invalid_argument, "F16, BF16, Q8_0, Q4_0");
+  expect_model_error([] { find_synthetic_shape("gpt-5"); }, ErrorCode::invalid_argument, "known: smollm2-135m");
+  expect_model_error([] { parse_synthetic_type("Q8_K"); }, ErrorCode::invalid_argument, "F16, BF16, Q8_0, Q4_0");
   EXPECT_EQ(parse_synthetic_type("q4_k"), GgmlType::Q4_K);
   EXPECT_EQ(parse_synthetic_type("IQ4_XS"), GgmlType::IQ4_XS);
   EXPECT_EQ(parse_synthetic_type("q4_0"), GgmlType::Q4_0);
   SyntheticShape s = find_synthetic_shape("tiny-llama");
   s.d_model = 48;  // 4 heads of 12: fine for F16, not a multiple of the 32-wide Q8_0 block
   EXPECT_NO_THROW(validate_shape(s, GgmlType::F16));
-  expect_error([&] { validate_shape(s, GgmlType::Q8_0); }, ErrorCode::invalid_argument, "block size");
+  expect_model_error([&] { validate_shape(s, GgmlType::Q8_0); }, ErrorCode::invalid_argument, "block size");
   s = find_synthetic_shape("tiny-llama");
   s.n_kv_heads = 3;
-  expect_error([&] { validate_shape(s, GgmlType::F16); }, ErrorCode::invalid_argument, "KV heads");
+  expect_model_error([&] { validate_shape(s, GgmlType::F16); }, ErrorCode::invalid_argument, "KV heads");
   const std::string path = testing::temp_dir() + "/never.gguf";
   SyntheticOptions q8k;
   q8k.type = GgmlType::Q8_K;  // a known type make-model does not write
-  expect_error([&] { write_synthetic_model(find_synthetic_shape("tiny-llama"), q8k, path); },
+  expect_model_error([&] { write_synthetic_model(find_synthetic_shape("tiny-llama"), q8k, path); },
                ErrorCode::invalid_argument, "--type");
 }
 
@@ -159,9 +159,9 @@ TEST(SyntheticModel, SameSeedSameBytesAtAnyThreadCount) {
   write_synthetic_model(shape, opt, dir + "/b.gguf");
   opt.seed = 8;
   write_synthetic_model(shape, opt, dir + "/c.gguf");
-  const std::string a = read_bytes(dir + "/a.gguf");
-  EXPECT_EQ(a, read_bytes(dir + "/b.gguf"));
-  EXPECT_NE(a, read_bytes(dir + "/c.gguf"));
+  const std::string a = file_contents(dir + "/a.gguf");
+  EXPECT_EQ(a, file_contents(dir + "/b.gguf"));
+  EXPECT_NE(a, file_contents(dir + "/c.gguf"));
 }
 
 TEST(SyntheticModel, WeightsLookLikeARealInit) {
