@@ -26,7 +26,7 @@ namespace {
     .silu_mul = detail::ns::silu_mul,                                                                              \
     .tiles = {detail::ns::tile_decode, detail::ns::tile_scores, detail::ns::tile_weighted_sum,                     \
               detail::ns::tile_exp_sum, detail::ns::tile_query_codes, detail::ns::tile_code_scores,               \
-              detail::ns::tile_code_sum, detail::ns::tile_rope},                                                    \
+              detail::ns::tile_code_sum, detail::ns::tile_rope, detail::ns::tile_fit},                              \
   }
 #endif
 // Constant-initialised, so that reading a table runs no code of its level.

@@ -25,6 +25,12 @@ void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::p
   if ((head_dim / 2) % Vec::N != 0) return avx2::tile_rope(rows, n_rows, head_dim, table, step, style);
   detail::tile_rope<Vec>(rows, n_rows, head_dim, table, step, style);
 }
+// Whole groups of 16 series here, the rest through the AVX2 level.
+void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi) {
+  const int main = lanes / Vec::N * Vec::N;
+  if (main > 0) detail::tile_fit<Vec>(x, n, stride, main, qmax, lo, hi);
+  if (main < lanes) avx2::tile_fit(x + main, n, stride, lanes - main, qmax, lo + main, hi + main);
+}
 // The code kernels take 32 channels at a time (2 x 16 lanes of int16), 64
 // for 4-bit keys (4 x 16 bytes).
 void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,

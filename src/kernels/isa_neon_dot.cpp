@@ -45,6 +45,9 @@ float tile_exp_sum(float* x, int n, float max) { return neon::tile_exp_sum(x, n,
 void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t step, RopeStyle style) {
   neon::tile_rope(rows, n_rows, head_dim, table, step, style);
 }
+void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi) {
+  neon::tile_fit(x, n, stride, lanes, qmax, lo, hi);
+}
 void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
                       void* qc, float* ab) {
   neon::tile_query_codes(t, tile, q, nq, score_scale, qc, ab);

@@ -142,7 +142,8 @@ const KernelTable& portable_table() noexcept;
   void tile_code_sum(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p,                \
                      std::size_t p_stride, int nq, float* o);                                                \
   void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step,            \
-                 RopeStyle style);
+                 RopeStyle style);                                                                           \
+  void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi);
 namespace avx2 {
 QKVSHARE_DECLARE_ISA_KERNELS
 }

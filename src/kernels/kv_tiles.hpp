@@ -197,6 +197,69 @@ float tile_exp_sum(float* x, int n, float max) {
   return V::hsum(acc);
 }
 
+
+// A product kept rounded on its own. GCC contracts a vector multiply and the
+// add that follows into one FMA when the unit's ISA has one (the intrinsics
+// are plain vector arithmetic to it); the range search must round each step
+// as its reference does, so its products pass through this empty asm, which
+// the compiler cannot see into.
+template <class F>
+inline F unfused(F v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
+  return v;
+}
+
+// kv_tiles.hpp's TileFitFn over V::N series at a time (the reference takes
+// the remaining lanes); the same operations in the same order as
+// fit_ranges_ref, lane by lane.
+template <class V>
+void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi) {
+  using F = typename V::F;
+  const float step = qmax <= 3 ? 0.04f : 0.02f;
+  const F top = V::set1(static_cast<float>(qmax)), half = V::set1(0.5f), zero = V::zero(),
+          cap = V::set1(static_cast<float>(qmax) + 0.25f);
+  int s = 0;
+  for (; s + V::N <= lanes; s += V::N) {
+    const float* xs = x + s;
+    F l0 = V::loadu(xs), h0 = l0;
+    for (int i = 1; i < n; ++i) {
+      const F v = V::loadu(xs + i * stride);
+      l0 = V::min(l0, v);
+      h0 = V::max(h0, v);
+    }
+    l0 = V::add(l0, zero);  // -0 to +0: levels disagree on the sign of min(-0, +0)
+    h0 = V::add(h0, zero);
+    const auto error = [&](F l, F h) {
+      const F sc = V::div(V::sub(h, l), top), inv = V::div(top, V::sub(h, l));
+      F e = zero;
+      for (int i = 0; i < n; ++i) {
+        const F v = V::loadu(xs + i * stride);
+        const F t = V::min(V::max(V::add(unfused(V::mul(V::sub(v, l), inv)), half), zero), cap);
+        const F d = V::sub(v, V::add(unfused(V::mul(V::trunc(t), sc)), l));
+        e = V::add(e, unfused(V::mul(d, d)));
+      }
+      return e;
+    };
+    const F rs = V::mul(V::sub(h0, l0), V::set1(step));
+    F best = error(l0, h0), bl = l0, bh = h0;
+    for (int a = 0; a < 6; ++a)
+      for (int b = 0; b < 6; ++b) {
+        const F l = V::add(l0, unfused(V::mul(rs, V::set1(static_cast<float>(a)))));
+        const F h = V::sub(h0, unfused(V::mul(rs, V::set1(static_cast<float>(b)))));
+        const F e = error(l, h);
+        bl = V::select_lt(e, best, l, bl);
+        bh = V::select_lt(e, best, h, bh);
+        best = V::select_lt(e, best, e, best);
+      }
+    V::storeu(lo + s, V::select_lt(l0, h0, bl, l0));  // a constant series keeps its full range
+    V::storeu(hi + s, V::select_lt(l0, h0, bh, h0));
+  }
+  if (s < lanes) fit_ranges_ref(x + s, n, stride, lanes - s, qmax, lo + s, hi + s);
+}
 }  // namespace
 }  // namespace qkvshare::kernels::detail
 
@@ -218,4 +281,7 @@ float tile_exp_sum(float* x, int n, float max) {
                  RopeStyle style) {                                                                       \
     if ((head_dim / 2) % Vec::N != 0) return rope_rows_ref(rows, n_rows, head_dim, table, step, style);   \
     detail::tile_rope<Vec>(rows, n_rows, head_dim, table, step, style);                                   \
+  }                                                                                                       \
+  void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi) {  \
+    detail::tile_fit<Vec>(x, n, stride, lanes, qmax, lo, hi);                                             \
   }

@@ -106,6 +106,46 @@ void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, st
   }
 }
 
+namespace {
+// One series of fit_ranges_ref: the squared error of the codes of range [l, h].
+float fit_error(const float* x, int n, std::ptrdiff_t stride, float l, float h, float top) {
+  const float sc = (h - l) / top, inv = top / (h - l);
+  float e = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float v = x[i * stride];
+    const float t = std::min(std::max((v - l) * inv + 0.5f, 0.0f), top + 0.25f);
+    const float d = v - (std::trunc(t) * sc + l);
+    e += d * d;
+  }
+  return e;
+}
+}  // namespace
+
+void fit_ranges_ref(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi) {
+  const float top = static_cast<float>(qmax), step = qmax <= 3 ? 0.04f : 0.02f;
+  for (int s = 0; s < lanes; ++s) {
+    const float* xs = x + s;
+    float l0 = xs[0], h0 = xs[0];
+    for (int i = 1; i < n; ++i) {
+      l0 = std::min(l0, xs[i * stride]);
+      h0 = std::max(h0, xs[i * stride]);
+    }
+    l0 += 0.0f;  // -0 to +0, as every level does
+    h0 += 0.0f;
+    lo[s] = l0;
+    hi[s] = h0;
+    if (!(h0 > l0)) continue;
+    const float rs = (h0 - l0) * step;
+    float best = fit_error(xs, n, stride, l0, h0, top);
+    for (int a = 0; a < 6; ++a)
+      for (int b = 0; b < 6; ++b) {
+        const float l = l0 + rs * static_cast<float>(a), h = h0 - rs * static_cast<float>(b);
+        const float e = fit_error(xs, n, stride, l, h, top);
+        if (e < best) best = e, lo[s] = l, hi[s] = h;
+      }
+  }
+}
+
 float exp_sum_ref(float* x, int n, float max) {
   float sum = 0.0f;
   for (int i = 0; i < n; ++i) {

@@ -8,7 +8,8 @@
 //
 // Vec::F            float vector of Vec::N lanes; Vec::I the int32 vector
 // zero, set1, loadu, storeu, add, sub, mul, fmadd (a * b + c), min, max
-// round (to nearest even), to_int (of an integral F), half (I >> 1), isub,
+// round (to nearest even), trunc (toward zero), div, select_lt(a, b, x, y)
+// (lanes of x where a < b, else of y), to_int (of an integral F), half (I >> 1), isub,
 // pow2i (2^k for k in the normal exponent range)
 // hsum (sum of the lanes), hsum8 (out[r] = hsum(a[r]) for 8 vectors)
 // load_f16 (N f16 values), f16x8 (exactly 8 f16 values to 8 floats in memory)
@@ -45,6 +46,9 @@ struct Vec {
   static F min(F a, F b) { return _mm512_min_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F trunc(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F select_lt(F a, F b, F x, F y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
   static I to_int(F x) { return _mm512_cvtps_epi32(x); }
   static I half(I k) { return _mm512_srai_epi32(k, 1); }
   static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
@@ -100,6 +104,9 @@ struct Vec {
   static F min(F a, F b) { return _mm256_min_ps(a, b); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
   static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F trunc(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F select_lt(F a, F b, F x, F y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
   static I to_int(F x) { return _mm256_cvtps_epi32(x); }
   static I half(I k) { return _mm256_srai_epi32(k, 1); }
   static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
@@ -155,6 +162,9 @@ struct Vec {
   static F min(F a, F b) { return vminq_f32(a, b); }
   static F max(F a, F b) { return vmaxq_f32(a, b); }
   static F round(F x) { return vrndnq_f32(x); }
+  static F trunc(F x) { return vrndq_f32(x); }
+  static F div(F a, F b) { return vdivq_f32(a, b); }
+  static F select_lt(F a, F b, F x, F y) { return vbslq_f32(vcltq_f32(a, b), x, y); }
   static I to_int(F x) { return vcvtnq_s32_f32(x); }
   static I half(I k) { return vshrq_n_s32(k, 1); }
   static I isub(I a, I b) { return vsubq_s32(a, b); }

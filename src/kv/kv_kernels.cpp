@@ -11,6 +11,7 @@
 #include "pq_nearest.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/half.hpp"
+#include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kv/kv_codebook.hpp"
 
 namespace qkvshare::kv {
@@ -40,8 +41,8 @@ void pack_row(const std::uint8_t* codes, int count, int bits, std::byte* row) {
 float inverse(float s) { return s > 0.0f && std::isfinite(s) ? 1.0f / s : 0.0f; }
 
 // Round half up by truncation (codes below 0 clamp to 0 anyway): unlike
-// nearbyint it compiles to plain SSE2 conversions, and the grid search of
-// fit_params calls it 36 times per value.
+// nearbyint it compiles to plain SSE2 conversions (the range search,
+// kernels::TileFitFn, rounds its codes the same way).
 inline float code_of(float x, float inv, float m, float qmax) {
   return static_cast<float>(static_cast<int>(std::min(std::max((x - m) * inv + 0.5f, 0.0f), qmax + 0.25f)));
 }
@@ -56,54 +57,48 @@ void params_for(float lo, float hi, int qmax, std::uint16_t& s16, std::uint16_t&
   s16 = fp32_to_fp16(std::max(hi - fp16_to_fp32(m16), 0.0f) / static_cast<float>(qmax));
 }
 
-// (scale, min) for n values x[i * stride]. At 8 bits the full range is used;
-// at 2-4 bits clipping a little of either end usually lowers the squared
-// error (the extremes are rare and a coarse grid wastes codes on them), so a
-// 6 x 6 grid of ranges clipped at either end is tried and the best kept.
-void fit_params(const float* x, int n, int stride, int qmax, std::uint16_t& s16, std::uint16_t& m16) {
-  float v[4096];  // the values, contiguous, so the error loop below vectorizes
-  QKV_CHECK(n <= 4096);
-  float lo = x[0], hi = x[0];
-  for (int i = 0; i < n; ++i) {
-    v[i] = x[i * stride];
-    lo = std::min(lo, v[i]);
-    hi = std::max(hi, v[i]);
+// (scale, min) of each of `lanes` series x[i * stride + s], i in [0, n),
+// written to s16/m16[s * out_stride]. At 8 bits the full range is used; at
+// 2-4 bits clipping a little of either end usually lowers the squared error
+// (outliers no longer stretch the scale): the dispatched range search
+// (kernels::TileFitFn, every series at once) picks the clipped range, and
+// it is kept only if, rounded to f16, it still beats the rounded full range.
+void fit_series(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, std::uint16_t* s16,
+                std::uint16_t* m16, std::ptrdiff_t out_stride) {
+  QKV_CHECK(lanes <= 4096);
+  float lo[4096], hi[4096], full_lo[4096], full_hi[4096];
+  for (int s = 0; s < lanes; ++s) {
+    float l = x[s], h = x[s];
+    for (int i = 1; i < n; ++i) {
+      l = std::min(l, x[i * stride + s]);
+      h = std::max(h, x[i * stride + s]);
+    }
+    full_lo[s] = l + 0.0f;  // as the search sees it (kernels/kv_tiles.hpp)
+    full_hi[s] = h + 0.0f;
+    params_for(full_lo[s], full_hi[s], qmax, s16[s * out_stride], m16[s * out_stride]);
   }
-  params_for(lo, hi, qmax, s16, m16);
-  if (qmax >= 255 || !(hi > lo)) return;
-  // The search compares unrounded ranges (cheap); only the winner is rounded to f16.
+  if (qmax >= 255) return;
+  kernels::tile_kernels().fit(x, n, stride, lanes, qmax, lo, hi);
   const float top = static_cast<float>(qmax);
-  const auto sse = [&](float l, float h) {
-    const float sc = (h - l) / top, inv = top / (h - l);
-    float e = 0.0f;
-#pragma omp simd reduction(+ : e)
-    for (int i = 0; i < n; ++i) {
-      const float d = v[i] - (code_of(v[i], inv, l, top) * sc + l);
-      e += d * d;
-    }
-    return e;
-  };
-  float best = sse(lo, hi), best_lo = lo, best_hi = hi;
-  const float range = hi - lo, step = qmax <= 3 ? 0.04f : 0.02f;
-  for (int a = 0; a < 6; ++a)
-    for (int b = 0; b < 6; ++b) {
-      const float l = lo + range * step * static_cast<float>(a), h = hi - range * step * static_cast<float>(b);
-      const float e = sse(l, h);
-      if (e < best) best = e, best_lo = l, best_hi = h;
-    }
-  // Keep the rounded winner only if it still beats the rounded full range.
-  const auto sse16 = [&](std::uint16_t s_, std::uint16_t m_) {
+  // The squared error of series s's codes under a stored (scale, min) pair.
+  const auto sse16 = [&](int s, std::uint16_t s_, std::uint16_t m_) {
     const float sc = fp16_to_fp32(s_), mn = fp16_to_fp32(m_), inv = inverse(sc);
     float e = 0.0f;
     for (int i = 0; i < n; ++i) {
-      const float d = v[i] - (code_of(v[i], inv, mn, top) * sc + mn);
+      const float v = x[i * stride + s];
+      const float d = v - (code_of(v, inv, mn, top) * sc + mn);
       e += d * d;
     }
     return e;
   };
-  std::uint16_t s_ = 0, m_ = 0;
-  params_for(best_lo, best_hi, qmax, s_, m_);
-  if (sse16(s_, m_) < sse16(s16, m16)) s16 = s_, m16 = m_;
+  for (int s = 0; s < lanes; ++s) {
+    if (!(full_hi[s] > full_lo[s])) continue;
+    std::uint16_t s_ = 0, m_ = 0;
+    params_for(lo[s], hi[s], qmax, s_, m_);
+    std::uint16_t& S = s16[s * out_stride];
+    std::uint16_t& M = m16[s * out_stride];
+    if (sse16(s, s_, m_) < sse16(s, S, M)) S = s_, M = m_;
+  }
 }
 
 // Each sub-vector's nearest centroid (pq_nearest.hpp), one byte per index.
@@ -160,28 +155,42 @@ void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, s
   std::uint16_t* mins = mins_of(l, tile);
   std::uint8_t codes[4096];
   QKV_CHECK(D <= 4096);
-  if (codec.axis == KvAxis::channel) {
-    float inv[4096];
+  if (codec.axis == KvAxis::channel) {  // the series are the channels
+    fit_series(rows, T, D, D, qmax, scales, mins, 1);
+    float inv[4096], mn[4096];
     for (int c = 0; c < D; ++c) {
-      fit_params(rows + c, T, D, qmax, scales[c], mins[c]);
       inv[c] = inverse(fp16_to_fp32(scales[c]));
+      mn[c] = fp16_to_fp32(mins[c]);
     }
     for (int j = 0; j < T; ++j) {
-      for (int c = 0; c < D; ++c)
-        codes[c] = quantize_one(rows[j * D + c], inv[c], fp16_to_fp32(mins[c]), qmax);
+      for (int c = 0; c < D; ++c) codes[c] = quantize_one(rows[j * D + c], inv[c], mn[c], qmax);
       pack_row(codes, D, bits, tile + static_cast<std::size_t>(j) * l.row_bytes);
     }
     return;
   }
+  // Per token: the series are the rows' groups, one group of every row at a
+  // time, transposed so that the rows lie side by side.
   const int G = effective_group(codec, D), groups = D / G;
+  if (qmax >= 255) {  // the full range of each group: no search, nothing to transpose
+    for (int j = 0; j < T; ++j)
+      for (int g = 0; g < groups; ++g)
+        fit_series(rows + static_cast<std::size_t>(j) * D + g * G, G, 1, 1, qmax, scales + j * groups + g,
+                   mins + j * groups + g, 1);
+  } else {
+    std::vector<float> cols(static_cast<std::size_t>(G) * T);
+    for (int g = 0; g < groups; ++g) {
+      for (int j = 0; j < T; ++j)
+        for (int c = 0; c < G; ++c)
+          cols[static_cast<std::size_t>(c) * T + j] = rows[static_cast<std::size_t>(j) * D + g * G + c];
+      fit_series(cols.data(), G, T, T, qmax, scales + g, mins + g, groups);
+    }
+  }
   for (int j = 0; j < T; ++j) {
     const float* x = rows + static_cast<std::size_t>(j) * D;
     for (int g = 0; g < groups; ++g) {
-      const float* xg = x + g * G;
       const std::size_t p = static_cast<std::size_t>(j * groups + g);
-      fit_params(xg, G, 1, qmax, scales[p], mins[p]);
       const float inv = inverse(fp16_to_fp32(scales[p])), m = fp16_to_fp32(mins[p]);
-      for (int c = 0; c < G; ++c) codes[g * G + c] = quantize_one(xg[c], inv, m, qmax);
+      for (int c = 0; c < G; ++c) codes[g * G + c] = quantize_one(x[g * G + c], inv, m, qmax);
     }
     pack_row(codes, D, bits, tile + static_cast<std::size_t>(j) * l.row_bytes);
   }

@@ -109,6 +109,19 @@ using TileRopeFn = void (*)(float* rows, int n_rows, int head_dim, const float* 
 // (kernels::rope_angles: the engine's own angles).
 void rope_table_row(float pos, const float* inv_freq, int head_dim, RopeStyle style, float* row);
 
+// The range search of an asymmetric b-bit code (qmax = 2^b - 1, 3..127) for
+// `lanes` independent series at once: series s holds x[i * stride + s],
+// i in [0, n). For each: its full range [l, h], then the 6 x 6 grid of ranges
+// clipped by a, b steps of `step` (0.04 of the range for qmax <= 3, else
+// 0.02) off either end; the range whose codes have the least squared error
+// (code = floor(min(max((x - l) / (h - l) * qmax + 0.5, 0), qmax + 0.25)),
+// error summed over i in order) is written to lo[s], hi[s]; a series with
+// h <= l keeps its full range. Every operation is rounded as the reference
+// writes it, lane by lane, so every level gives the reference's bits. The
+// series of a tile: its channels (per-channel keys: stride = head_dim) or
+// its rows (per-token groups, transposed first).
+using TileFitFn = void (*)(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi);
+
 struct TileKernels {
   TileDecodeFn decode = nullptr;
   TileScoresFn scores = nullptr;
@@ -118,6 +131,7 @@ struct TileKernels {
   TileCodeScoresFn code_scores = nullptr;
   TileCodeSumFn code_sum = nullptr;
   TileRopeFn rope = nullptr;
+  TileFitFn fit = nullptr;
 };
 
 // The kernels of one level (throws Error(invalid_argument) where it is not
@@ -137,5 +151,6 @@ void code_scores_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, 
 void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
                   int nq, float* o);
 void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step, RopeStyle style);
+void fit_ranges_ref(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi);
 
 }  // namespace qkvshare::kernels
