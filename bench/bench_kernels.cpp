@@ -1,7 +1,9 @@
 // Kernel micro-benchmarks (Google Benchmark): matvec (decode) and matmat
 // (prefill, 64 tokens) per weight type at SmolLM2-135M shapes, each next to
 // the pre-SIMD baseline (dequantize a row to f32, then dot) in the same run;
-// the activation quantizer, attention of one head, and parallel_for overhead.
+// the activation quantizer, attention of one head, parallel_for overhead, and
+// the KV pool's tile encoder (a filled block's quantization) on each level
+// beside the portable level's scalar reference.
 //
 //   ./build/bench/bench_kernels --benchmark_min_time=0.5s
 //   QKVSHARE_BENCH_ALL_ISAS=1 ./build/bench/bench_kernels   # every ISA level, not only the best
@@ -21,6 +23,7 @@
 #include "qkvshare/kernels/matmul.hpp"
 #include "qkvshare/kernels/ops.hpp"
 #include "qkvshare/kernels/quant.hpp"
+#include "qkvshare/kv/kv_kernels.hpp"
 
 namespace {
 
@@ -143,6 +146,27 @@ struct Shape {
   std::int64_t rows, cols;
 };
 
+// kv::encode_tile of one tile at level `isa` (the range search of int2-int4
+// codes is TileKernels::fit; the portable level runs its scalar reference).
+void bm_encode_tile(benchmark::State& state, const std::string& format, int kind, Isa isa) {
+  constexpr int T = 32, D = 64;
+  const KvFormat f = KvFormat::parse(format);
+  const KvCodec codec = kind == 0 ? f.k : f.v;
+  const TileLayout layout = tile_layout(codec, T, D);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> rows(static_cast<std::size_t>(T) * D);
+  for (auto& x : rows) x = g(rng);
+  std::vector<std::byte> tile(layout.bytes);
+  const Isa saved = active_isa();
+  set_active_isa(isa);
+  for (auto _ : state) {
+    kv::encode_tile(codec, layout, rows.data(), tile.data());
+    benchmark::DoNotOptimize(tile.data());
+  }
+  set_active_isa(saved);
+}
+
 void register_all() {
   const GgmlType types[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
                             GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q6_K};
@@ -177,6 +201,13 @@ void register_all() {
               ->Unit(benchmark::kMicrosecond);
         }
       }
+  // One 32 x 64 tile (a SmolLM2 KV head of one block); K per channel, V per token.
+  for (const char* format : {"int8", "int4", "int2"})
+    for (int kind = 0; kind < 2; ++kind)
+      for (Isa isa : {best_isa(), Isa::portable})
+        benchmark::RegisterBenchmark((std::string("encode_tile/") + format + (kind ? "/V/" : "/K/") + std::string(isa_name(isa))).c_str(),
+                                     bm_encode_tile, std::string(format), kind, isa)
+            ->Unit(benchmark::kMicrosecond);
   for (int n : {256, 2048})
     benchmark::RegisterBenchmark(("attend_head_f32/hd64/keys:" + std::to_string(n)).c_str(), bm_attention, n)
         ->Unit(benchmark::kMicrosecond);

@@ -255,8 +255,10 @@ void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax,
         bh = V::select_lt(e, best, h, bh);
         best = V::select_lt(e, best, e, best);
       }
-    V::storeu(lo + s, V::select_lt(l0, h0, bl, l0));  // a constant series keeps its full range
-    V::storeu(hi + s, V::select_lt(l0, h0, bh, h0));
+    // A constant (or nearly constant) series keeps its full range.
+    const F floor = V::set1(kFitMinRange), width = V::sub(h0, l0);
+    V::storeu(lo + s, V::select_lt(floor, width, bl, l0));
+    V::storeu(hi + s, V::select_lt(floor, width, bh, h0));
   }
   if (s < lanes) fit_ranges_ref(x + s, n, stride, lanes - s, qmax, lo + s, hi + s);
 }

@@ -106,43 +106,57 @@ void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, st
   }
 }
 
-namespace {
-// One series of fit_ranges_ref: the squared error of the codes of range [l, h].
-float fit_error(const float* x, int n, std::ptrdiff_t stride, float l, float h, float top) {
-  const float sc = (h - l) / top, inv = top / (h - l);
-  float e = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    const float v = x[i * stride];
-    const float t = std::min(std::max((v - l) * inv + 0.5f, 0.0f), top + 0.25f);
-    const float d = v - (std::trunc(t) * sc + l);
-    e += d * d;
-  }
-  return e;
-}
-}  // namespace
-
+// Series are taken 64 at a time, each step looping over them innermost, so
+// that the compiler vectorizes the reference itself (the portable level
+// runs it): the operations of one series stay in the order the kernels
+// follow. A range narrower than kFitMinRange is not searched (no division
+// by it can overflow).
 void fit_ranges_ref(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi) {
-  const float top = static_cast<float>(qmax), step = qmax <= 3 ? 0.04f : 0.02f;
-  for (int s = 0; s < lanes; ++s) {
-    const float* xs = x + s;
-    float l0 = xs[0], h0 = xs[0];
-    for (int i = 1; i < n; ++i) {
-      l0 = std::min(l0, xs[i * stride]);
-      h0 = std::max(h0, xs[i * stride]);
-    }
-    l0 += 0.0f;  // -0 to +0, as every level does
-    h0 += 0.0f;
-    lo[s] = l0;
-    hi[s] = h0;
-    if (!(h0 > l0)) continue;
-    const float rs = (h0 - l0) * step;
-    float best = fit_error(xs, n, stride, l0, h0, top);
-    for (int a = 0; a < 6; ++a)
-      for (int b = 0; b < 6; ++b) {
-        const float l = l0 + rs * static_cast<float>(a), h = h0 - rs * static_cast<float>(b);
-        const float e = fit_error(xs, n, stride, l, h, top);
-        if (e < best) best = e, lo[s] = l, hi[s] = h;
+  constexpr int kChunk = 64;
+  const float top = static_cast<float>(qmax), cap = top + 0.25f, step = qmax <= 3 ? 0.04f : 0.02f;
+  for (int s0 = 0; s0 < lanes; s0 += kChunk) {
+    const int m = std::min(kChunk, lanes - s0);
+    const float* xs = x + s0;
+    float l0[kChunk], h0[kChunk], rs[kChunk], l[kChunk], h[kChunk], sc[kChunk], inv[kChunk], e[kChunk], best[kChunk],
+        bl[kChunk], bh[kChunk];
+    for (int s = 0; s < m; ++s) l0[s] = h0[s] = xs[s];
+    for (int i = 1; i < n; ++i)
+      for (int s = 0; s < m; ++s) {
+        l0[s] = std::min(l0[s], xs[i * stride + s]);
+        h0[s] = std::max(h0[s], xs[i * stride + s]);
       }
+    for (int s = 0; s < m; ++s) {
+      l0[s] += 0.0f;  // -0 to +0, as every level does
+      h0[s] += 0.0f;
+      rs[s] = (h0[s] - l0[s]) * step;
+    }
+    // Candidate -1 is the full range, then the 6 x 6 clipped ones.
+    for (int k = -1; k < 36; ++k) {
+      const float a = k < 0 ? 0.0f : static_cast<float>(k / 6), b = k < 0 ? 0.0f : static_cast<float>(k % 6);
+      for (int s = 0; s < m; ++s) {
+        l[s] = l0[s] + rs[s] * a;
+        h[s] = h0[s] - rs[s] * b;
+        sc[s] = (h[s] - l[s]) / top;
+        // (A series too narrow to search gets no inverse: its errors are
+        // never read, and no NaN reaches the integer conversion below.)
+        inv[s] = h[s] - l[s] > 0.5f * kFitMinRange ? top / (h[s] - l[s]) : 0.0f;
+        e[s] = 0.0f;
+      }
+      for (int i = 0; i < n; ++i)
+        for (int s = 0; s < m; ++s) {
+          const float v = xs[i * stride + s];
+          const float t = std::min(std::max((v - l[s]) * inv[s] + 0.5f, 0.0f), cap);
+          const float d = v - (static_cast<float>(static_cast<int>(t)) * sc[s] + l[s]);
+          e[s] += d * d;
+        }
+      for (int s = 0; s < m; ++s)
+        if (k < 0 || e[s] < best[s]) best[s] = e[s], bl[s] = l[s], bh[s] = h[s];
+    }
+    for (int s = 0; s < m; ++s) {
+      const bool searched = h0[s] - l0[s] > kFitMinRange;
+      lo[s0 + s] = searched ? bl[s] : l0[s];
+      hi[s0 + s] = searched ? bh[s] : h0[s];
+    }
   }
 }
 

@@ -1,7 +1,7 @@
 // The range search of the KV encoders (TileKernels::fit): every level gives
 // the reference's bits, for any number of series (whole vectors and tails),
-// strides wider than the series, constant series, signed zeros and
-// outliers; and the reference picks a range that codes its series with no
+// strides wider than the series, constant and too narrow series, signed
+// zeros and outliers; and the reference picks a range that codes its series with no
 // more squared error than the full range does.
 #include <gtest/gtest.h>
 
@@ -40,6 +40,7 @@ TEST(KvFitIsa, EveryLevelGivesTheReferenceBits) {
             if (lanes > 1) x[static_cast<std::size_t>(i * stride + 1)] = i % 2 ? 0.0f : -0.0f;  // series 1: signed zeros
             if (lanes > 2 && i == n / 2) x[static_cast<std::size_t>(i * stride + 2)] = 40.0f;  // series 2: an outlier
             if (lanes > 3) x[static_cast<std::size_t>(i * stride + 3)] *= 1e-30f;  // series 3: tiny values
+            if (lanes > 4) x[static_cast<std::size_t>(i * stride + 4)] *= 1e-32f;  // series 4: too narrow to search
           }
           std::vector<float> lo_ref(static_cast<std::size_t>(lanes)), hi_ref(lo_ref.size());
           fit_ranges_ref(x.data(), n, stride, lanes, qmax, lo_ref.data(), hi_ref.data());

@@ -115,12 +115,13 @@ void rope_table_row(float pos, const float* inv_freq, int head_dim, RopeStyle st
 // clipped by a, b steps of `step` (0.04 of the range for qmax <= 3, else
 // 0.02) off either end; the range whose codes have the least squared error
 // (code = floor(min(max((x - l) / (h - l) * qmax + 0.5, 0), qmax + 0.25)),
-// error summed over i in order) is written to lo[s], hi[s]; a series with
-// h <= l keeps its full range. Every operation is rounded as the reference
+// error summed over i in order) is written to lo[s], hi[s]; a series whose
+// range is kFitMinRange or less keeps its full range. Every operation is rounded as the reference
 // writes it, lane by lane, so every level gives the reference's bits. The
 // series of a tile: its channels (per-channel keys: stride = head_dim) or
 // its rows (per-token groups, transposed first).
 using TileFitFn = void (*)(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi);
+inline constexpr float kFitMinRange = 1e-30f;
 
 struct TileKernels {
   TileDecodeFn decode = nullptr;
