@@ -1,5 +1,4 @@
 #include "qkvshare/agents/orchestrator.hpp"
-#include "qkvshare/core/clock.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -8,6 +7,7 @@
 #include <optional>
 #include <set>
 
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/generate.hpp"
 #include "qkvshare/engine/scheduler.hpp"

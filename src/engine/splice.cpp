@@ -1,10 +1,10 @@
 #include "qkvshare/engine/splice.hpp"
-#include "qkvshare/core/clock.hpp"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/core/error.hpp"
 
 namespace qkvshare {

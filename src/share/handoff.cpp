@@ -1,8 +1,8 @@
 #include "qkvshare/share/handoff.hpp"
-#include "qkvshare/core/clock.hpp"
 
 #include <chrono>
 
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/core/error.hpp"
 
 namespace qkvshare {

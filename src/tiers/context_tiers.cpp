@@ -1,11 +1,11 @@
 #include "qkvshare/tiers/context_tiers.hpp"
-#include "qkvshare/core/clock.hpp"
 
 #include <chrono>
 #include <climits>
 #include <optional>
 #include <tuple>
 
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/core/error.hpp"
 
 namespace qkvshare {
@@ -186,6 +186,8 @@ void ContextTiers::evict_locked(Entry& e, std::unique_lock<std::mutex>& lock) {
   (void)lock;
 }
 
+bool ContextTiers::demotable(const Entry& e) const { return options_.demote && !e.demoted; }
+
 bool ContextTiers::demote_locked(Entry& e) {
   QKV_CHECK(e.resident && !e.grants.empty() && options_.demote);
   e.demoted = true;  // tried once, whatever the outcome
@@ -256,16 +258,16 @@ void ContextTiers::step_finished(int position) {
         if (!failed.empty()) stats_.failures.push_back(fmt::format("prefetch of '{}' failed: {}", e.producer, failed));
       }
       if (!e.resident || e.restoring.valid() || e.grants.empty()) continue;
+      if (!demotable(e) && e.spill_failed) continue;
       // Demotion first (it keeps the context in RAM), then spilling; the
       // furthest next use first within each, the least recently used among equals.
       const auto key = [&](const Entry& x) {
-        return std::make_tuple(options_.demote && !x.demoted, next_use(x) - now, -static_cast<long long>(x.last_use));
+        return std::make_tuple(demotable(x), next_use(x) - now, -static_cast<long long>(x.last_use));
       };
-      if (!(options_.demote && !e.demoted) && e.spill_failed) continue;
       if (victim == nullptr || key(e) > key(*victim)) victim = &e;
     }
     if (victim == nullptr) break;
-    if (options_.demote && !victim->demoted)
+    if (demotable(*victim))
       demote_locked(*victim);
     else
       evict_locked(*victim, lock);

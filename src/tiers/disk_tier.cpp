@@ -1,11 +1,11 @@
 #include "qkvshare/tiers/disk_tier.hpp"
-#include "qkvshare/core/clock.hpp"
 
 #include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
 
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/mapped_file.hpp"
 #include "qkvshare/tiers/context_io.hpp"

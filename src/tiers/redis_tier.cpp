@@ -1,5 +1,4 @@
 #include "qkvshare/tiers/redis_tier.hpp"
-#include "qkvshare/core/clock.hpp"
 
 #include <hiredis/hiredis.h>
 #include <xxhash.h>
@@ -8,6 +7,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "qkvshare/core/clock.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/tiers/context_io.hpp"
 #include "le_bytes.hpp"

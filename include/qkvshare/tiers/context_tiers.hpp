@@ -92,6 +92,7 @@ class ContextTiers {
  private:
   struct Entry;
   void evict_locked(Entry& e, std::unique_lock<std::mutex>& lock);
+  bool demotable(const Entry& e) const;  // a demotion format is set and e has not been tried
   bool demote_locked(Entry& e);
   void restore_into(Entry& e, std::unique_lock<std::mutex>& lock, bool background);
   int next_use(const Entry& e) const;
