@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${BUILD_DIR:-build-aarch64}"
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DQKVSHARE_BUILD_BENCH=OFF >&2
+  -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DQKVSHARE_BUILD_BENCH=OFF -DCMAKE_UNITY_BUILD=ON >&2
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target qkvshare test_core test_kernels test_kv test_engine >&2
 file "$BUILD_DIR/src/cli/qkvshare" | grep -q 'ARM aarch64' || { echo "[aarch64] not an ARM64 binary" >&2; exit 1; }
 # A test that hangs under the emulator gets 300 s and one more try: once (2026-12-02), with the
