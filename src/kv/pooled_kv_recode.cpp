@@ -1,7 +1,7 @@
-// A sealed context copied into fewer (or more) bits: the memory tiers'
-// demotion (tiers/context_tiers.hpp). Each block goes through f32 rows, the
-// same path as demote()'s recode of a mixed format's cold blocks, and the
-// change it makes to what attention reads is measured as it is made.
+// Recoding blocks into other codecs: the memory tiers' demotion of a whole
+// context (recoded(), tiers/context_tiers.hpp) and a mixed format's demote()
+// of its least attended blocks. Each block goes through f32 rows, and the
+// change it makes to what attention reads can be measured as it is made.
 #include <cmath>
 
 #include "qkvshare/kv/kv_kernels.hpp"
@@ -19,7 +19,56 @@ struct Held {
     for (const BlockRef b : blocks) pool.release(b);
   }
 };
+
+// Adds the energy of rows [row0, row1) of `rows` ([T][D]) and, with `other`, their squared change.
+void add_rows(const std::vector<float>& rows, const std::vector<float>* other, int row0, int row1, int D,
+              double& energy, double& change) {
+  for (std::size_t i = static_cast<std::size_t>(row0) * D; i < static_cast<std::size_t>(row1) * D; ++i) {
+    const double o = rows[i];
+    energy += o * o;
+    if (other != nullptr) change += ((*other)[i] - o) * ((*other)[i] - o);
+  }
+}
 }  // namespace
+
+BlockRef PooledKvCache::recode_block(BlockRef ref, const KvCodec& k, const KvCodec& v, const KvFormat& to,
+                                     RecodeSums* sums, int row0, int row1) const {
+  const KvShape& s = shape();
+  const int T = pool_->block_tokens(), D = s.head_dim;
+  const BlockInfo info = pool_->info(ref);
+  const int fill = static_cast<int>(info.fill);
+  const BlockRef dst = pool_->allocate(k, v, block_flags(), info.key_position);
+  std::vector<float> old_rows(static_cast<std::size_t>(T) * D),
+      new_rows(sums != nullptr ? old_rows.size() : 0);
+  try {
+    for (int kind = 0; kind < 2; ++kind) {
+      const KvCodec& from = kind == 0 ? info.k : info.v;
+      const KvCodec& into = kind == 0 ? k : v;
+      const TileLayout fl = tile_layout(from, T, D), tl = tile_layout(into, T, D);
+      for (int l = 0; l < s.n_layers; ++l)
+        for (int kh = 0; kh < s.n_kv_heads; ++kh) {
+          kv::decode_tile_scalar(from, fl, pool_->tile(ref, kind, l, kh), T, old_rows.data(),
+                                 kv::codebook_slice(format_, from, kind, l, kh));
+          const kv::CodebookSlice book = kv::codebook_slice(to, into, kind, l, kh);
+          std::byte* tile = pool_->tile(dst, kind, l, kh);
+          if (into.quantized()) {
+            kv::encode_tile(into, tl, old_rows.data(), tile, book);  // a quantized block is a full one
+          } else {
+            for (int r = 0; r < fill; ++r)
+              kv::encode_row(into, tl, &old_rows[static_cast<std::size_t>(r) * D], r, tile);
+          }
+          if (sums == nullptr) continue;
+          kv::decode_tile_scalar(into, tl, tile, T, new_rows.data(), book);
+          add_rows(old_rows, &new_rows, row0, row1, D, sums->energy[kind], sums->change[kind]);
+        }
+    }
+  } catch (...) {
+    pool_->release(dst);
+    throw;
+  }
+  pool_->set_fill(dst, fill);
+  return dst;
+}
 
 std::unique_ptr<PooledKvCache> PooledKvCache::recoded(const KvFormat& to, RecodeCost* cost) const {
   QKV_CHECK(!step_);
@@ -34,8 +83,8 @@ std::unique_ptr<PooledKvCache> PooledKvCache::recoded(const KvFormat& to, Recode
   to.validate(s, pool_->block_tokens());
   const int T = pool_->block_tokens(), D = s.head_dim;
   const KvCodec hk = hot_codec(to.k), hv = hot_codec(to.v);
-  std::vector<float> old_rows(static_cast<std::size_t>(T) * D), new_rows(old_rows.size());
-  double err[2] = {0, 0}, energy[2] = {0, 0};
+  std::vector<float> rows(static_cast<std::size_t>(T) * D);
+  RecodeSums sums;
   RecodeCost c;
   Held held{*pool_, {}};
   std::vector<KvSegment> segments;
@@ -51,48 +100,30 @@ std::unique_ptr<PooledKvCache> PooledKvCache::recoded(const KvFormat& to, Recode
       // Rows this context reads of the block: the segment's range within it.
       const int row0 = i == 0 ? seg.first_row : 0;
       const int row1 = std::min(fill, seg.first_row + seg.tokens - static_cast<int>(i) * T);
-      const bool same = info.k == tk && info.v == tv;
-      const BlockRef dst = same ? ref : pool_->allocate(tk, tv, block_flags(), info.key_position);
-      if (!same) held.blocks.push_back(dst);
-      for (int kind = 0; kind < 2; ++kind) {
-        const KvCodec& from = kind == 0 ? info.k : info.v;
-        const KvCodec& into = kind == 0 ? tk : tv;
-        const TileLayout fl = tile_layout(from, T, D), tl = tile_layout(into, T, D);
-        for (int l = 0; l < s.n_layers; ++l)
-          for (int kh = 0; kh < s.n_kv_heads; ++kh) {
-            kv::decode_tile_scalar(from, fl, pool_->tile(ref, kind, l, kh), T, old_rows.data(),
-                                   kv::codebook_slice(format_, from, kind, l, kh));
-            if (same) {
-              for (int r = row0; r < row1; ++r)
-                for (int d = 0; d < D; ++d) energy[kind] += double(old_rows[std::size_t(r) * D + d]) * old_rows[std::size_t(r) * D + d];
-              continue;
+      if (info.k == tk && info.v == tv) {  // already in place: shared, unchanged
+        for (int kind = 0; kind < 2; ++kind)
+          for (int l = 0; l < s.n_layers; ++l)
+            for (int kh = 0; kh < s.n_kv_heads; ++kh) {
+              const KvCodec& from = kind == 0 ? info.k : info.v;
+              kv::decode_tile_scalar(from, tile_layout(from, T, D), pool_->tile(ref, kind, l, kh), T,
+                                     rows.data(), kv::codebook_slice(format_, from, kind, l, kh));
+              add_rows(rows, nullptr, row0, row1, D, sums.energy[kind], sums.change[kind]);
             }
-            const kv::CodebookSlice book = kv::codebook_slice(to, into, kind, l, kh);
-            if (into.quantized()) {
-              kv::encode_tile(into, tl, old_rows.data(), pool_->tile(dst, kind, l, kh), book);
-            } else {
-              for (int r = 0; r < fill; ++r) kv::encode_row(into, tl, &old_rows[std::size_t(r) * D], r, pool_->tile(dst, kind, l, kh));
-            }
-            kv::decode_tile_scalar(into, tl, pool_->tile(dst, kind, l, kh), T, new_rows.data(), book);
-            for (int r = row0; r < row1; ++r)
-              for (int d = 0; d < D; ++d) {
-                const double o = old_rows[std::size_t(r) * D + d], n = new_rows[std::size_t(r) * D + d];
-                energy[kind] += o * o;
-                err[kind] += (n - o) * (n - o);
-              }
-          }
+        ++c.blocks_shared;
+        out.blocks.push_back(ref);
+        continue;
       }
-      if (!same) pool_->set_fill(dst, fill);
-      ++(same ? c.blocks_shared : c.blocks_recoded);
-      out.blocks.push_back(dst);
+      held.blocks.push_back(recode_block(ref, tk, tv, to, &sums, row0, row1));
+      ++c.blocks_recoded;
+      out.blocks.push_back(held.blocks.back());
     }
     segments.push_back(std::move(out));
   }
   auto copy = adopt(pool_, to, capacity_, std::move(segments), size_);
   copy->set_position_gap(position_gap_);
   copy->set_rope(rope_);
-  c.k_rel_rms = energy[0] > 0 ? std::sqrt(err[0] / energy[0]) : 0;
-  c.v_rel_rms = energy[1] > 0 ? std::sqrt(err[1] / energy[1]) : 0;
+  c.k_rel_rms = sums.energy[0] > 0 ? std::sqrt(sums.change[0] / sums.energy[0]) : 0;
+  c.v_rel_rms = sums.energy[1] > 0 ? std::sqrt(sums.change[1] / sums.energy[1]) : 0;
   if (cost != nullptr) *cost = c;
   return copy;  // `held` drops the recode's own references: the copy holds one each
 }

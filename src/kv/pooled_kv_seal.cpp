@@ -64,30 +64,15 @@ std::vector<int> PooledKvCache::cold_by_importance(const std::vector<double>& im
 int PooledKvCache::demote() {
   QKV_CHECK(!step_);
   if (!format_.mixed() || segments_.size() != 1 || observed_pos_.empty()) return 0;
-  const KvShape& s = shape();
-  const int T = pool_->block_tokens(), D = s.head_dim, L = s.n_layers;
   std::vector<BlockRef>& blocks = segments_[0].blocks;
   const std::vector<int> cold = cold_by_importance(ranking());
   // All but the top share of the cold blocks end in the lo codecs.
-  std::vector<float> rows(static_cast<std::size_t>(T) * D);
   int recoded = 0;
   for (std::size_t i = static_cast<std::size_t>(format_.kept_blocks(static_cast<int>(cold.size()))); i < cold.size(); ++i) {
     BlockRef& ref = blocks[static_cast<std::size_t>(cold[i])];
     const BlockInfo info = pool_->info(ref);
     if (info.k != format_.k || info.v != format_.v) continue;  // demoted already
-    const BlockRef lo = pool_->allocate(format_.lo_k, format_.lo_v, block_flags(), info.key_position);
-    for (int kind = 0; kind < 2; ++kind) {
-      const KvCodec& from = kind == 0 ? info.k : info.v;
-      const KvCodec& to = kind == 0 ? format_.lo_k : format_.lo_v;
-      const TileLayout fl = tile_layout(from, T, D), tl = tile_layout(to, T, D);
-      for (int l = 0; l < L; ++l)
-        for (int kh = 0; kh < s.n_kv_heads; ++kh) {
-          kv::decode_tile_scalar(from, fl, pool_->tile(ref, kind, l, kh), T, rows.data(),
-                                 kv::codebook_slice(format_, from, kind, l, kh));
-          kv::encode_tile(to, tl, rows.data(), pool_->tile(lo, kind, l, kh), kv::codebook_slice(format_, to, kind, l, kh));
-        }
-    }
-    pool_->set_fill(lo, T);
+    const BlockRef lo = recode_block(ref, format_.lo_k, format_.lo_v, format_);
     pool_->release(ref);
     ref = lo;
     ++recoded;

@@ -194,6 +194,14 @@ class PooledKvCache final : public KvCache {
   std::vector<double> block_importance() const;
   std::vector<double> ranking() const;
   std::vector<int> cold_by_importance(const std::vector<double>& importance) const;
+  // demote() and recoded(): a new block (one reference, held by the caller)
+  // with `ref`'s rows recoded to (k, v) of format `to` through f32 rows. With
+  // `sums`, adds each kind's squared change and energy over rows [row0, row1).
+  struct RecodeSums {
+    double change[2] = {0, 0}, energy[2] = {0, 0};
+  };
+  BlockRef recode_block(BlockRef ref, const KvCodec& k, const KvCodec& v, const KvFormat& to, RecodeSums* sums = nullptr,
+                        int row0 = 0, int row1 = 0) const;
 
   std::shared_ptr<KvPool> pool_;
   KvFormat format_;
