@@ -15,10 +15,15 @@ Engine::Engine(const Model& model, EngineOptions options)
     : model_(model), options_(options), pool_(options.n_threads) {
   if (options_.max_batch <= 0) fail(ErrorCode::invalid_argument, "max_batch must be positive");
   const ModelConfig& c = model_.config();
-  inv_freq_.resize(static_cast<std::size_t>(c.head_dim / 2));
-  for (int i = 0; i < c.head_dim / 2; ++i)
-    inv_freq_[static_cast<std::size_t>(i)] =
-        static_cast<float>(1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.head_dim));
+  // Linear scaling divides positions by the factor: the same as dividing the frequencies.
+  const auto frequencies = [&c](double theta, double scale) {
+    std::vector<float> f(static_cast<std::size_t>(c.head_dim / 2));
+    for (int i = 0; i < c.head_dim / 2; ++i)
+      f[static_cast<std::size_t>(i)] = static_cast<float>(std::pow(theta, -2.0 * i / c.head_dim) / scale);
+    return f;
+  };
+  inv_freq_ = frequencies(c.rope_theta, c.rope_scale);
+  inv_freq_local_ = c.layer_window.empty() ? inv_freq_ : frequencies(c.rope_theta_local, c.rope_scale_local);
   if (options_.float_activations) build_float_weights();
 }
 
@@ -58,7 +63,15 @@ std::size_t Engine::float_copy_bytes() const noexcept {
   return total;
 }
 
-KvRope Engine::rope() const { return KvRope{inv_freq_, model_.config().rope_style}; }
+KvRope Engine::rope() const {
+  const ModelConfig& c = model_.config();
+  if (c.layered_rope())
+    fail(ErrorCode::unsupported,
+         "{}: its sliding-window and global layers use different RoPE (base {} and {}): moving KV to other positions "
+         "(splice, keys=pre|block formats) needs one RoPE for all layers",
+         c.architecture, c.rope_theta_local, c.rope_theta);
+  return KvRope{c.layer_window.empty() || c.window(0) == 0 ? inv_freq_ : inv_freq_local_, c.rope_style};
+}
 
 void Session::note_placed(std::span<const TokenId> tokens) {
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
@@ -95,6 +108,7 @@ void Engine::check_entry(const Session& session, std::span<const TokenId> tokens
   for (TokenId t : tokens)
     if (t < 0 || t >= c.vocab_size)
       fail(ErrorCode::invalid_argument, "token id {} is outside the vocabulary [0, {})", t, c.vocab_size);
+  if (session.cache().keys_before_rope()) rope();  // throws when the layers' RoPE differ
 }
 
 std::span<const float> Engine::forward(Session& session, std::span<const TokenId> tokens, bool all_logits) {
@@ -165,9 +179,15 @@ void Engine::run_batch(std::span<const BatchEntry> entries) {
     for (int t = 0; t < rows(i); ++t)
       kernels::dequantize_row(w.token_embedding, entries[i].tokens[static_cast<std::size_t>(t)], &x_[(row0_[i] + t) * d]);
   }
+  if (c.embed_scale) {
+    const float s = std::sqrt(static_cast<float>(d));
+    for (std::int64_t j = 0; j < n * d; ++j) x_[static_cast<std::size_t>(j)] *= s;
+  }
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& lw = w.layers[static_cast<std::size_t>(l)];
+    const int window = c.window(l);
+    const float* inv_freq = window > 0 ? inv_freq_local_.data() : inv_freq_.data();
     const auto* attn_norm = reinterpret_cast<const float*>(lw.attn_norm.data);
     for (int t = 0; t < n; ++t) kernels::rmsnorm(&xb_[t * d], &x_[t * d], attn_norm, d, c.rms_eps);
     project({{&lw.wq, q_.data()}, {&lw.wk, k_.data()}, {&lw.wv, v_.data()}}, xb_.data(), n);
@@ -199,8 +219,8 @@ void Engine::run_batch(std::span<const BatchEntry> entries) {
           }
         }
         const auto pos = static_cast<float>(p0 + t);
-        kernels::rope(&q_[r * qd], c.n_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);
-        if (!keys_as_projected) kernels::rope(&k_[r * kvd], c.n_kv_heads, c.head_dim, pos, inv_freq_.data(), c.rope_style);
+        kernels::rope(&q_[r * qd], c.n_heads, c.head_dim, pos, inv_freq, c.rope_style);
+        if (!keys_as_projected) kernels::rope(&k_[r * kvd], c.n_kv_heads, c.head_dim, pos, inv_freq, c.rope_style);
       }
       try {
         cache.write(l, rows(i), &k_[r0 * kvd], &v_[r0 * kvd]);
@@ -212,18 +232,19 @@ void Engine::run_batch(std::span<const BatchEntry> entries) {
         std::fill(att_.begin() + r0 * qd, att_.begin() + (r0 + rows(i)) * qd, 0.0f);
         continue;
       }
-      works_.push_back(&cache.plan_attend(l, rows(i), &q_[r0 * qd], &att_[r0 * qd]));
+      works_.push_back(&cache.plan_attend(l, rows(i), &q_[r0 * qd], &att_[r0 * qd], window));
     }
     run_attend_works(works_, pool_);
     project({{&lw.wo, xb_.data()}}, att_.data(), n);
-    for (int t = 0; t < n; ++t) kernels::add_inplace(&x_[t * d], &xb_[t * d], d);
+    add_residual(lw.attn_post_norm, n);
 
     const auto* ffn_norm = reinterpret_cast<const float*>(lw.ffn_norm.data);
     for (int t = 0; t < n; ++t) kernels::rmsnorm(&xb_[t * d], &x_[t * d], ffn_norm, d, c.rms_eps);
     project({{&lw.w_gate, gate_.data()}, {&lw.w_up, up_.data()}}, xb_.data(), n);
-    for (int t = 0; t < n; ++t) kernels::silu_mul(&gate_[t * ff], &up_[t * ff], ff);
+    for (int t = 0; t < n; ++t)
+      (c.gelu ? kernels::gelu_mul : kernels::silu_mul)(&gate_[t * ff], &up_[t * ff], ff);
     project({{&lw.w_down, xb_.data()}}, gate_.data(), n);
-    for (int t = 0; t < n; ++t) kernels::add_inplace(&x_[t * d], &xb_[t * d], d);
+    add_residual(lw.ffn_post_norm, n);
   }
 
   // Commit, then the logits of the rows that want them, gathered into one matmul.
@@ -243,6 +264,10 @@ void Engine::run_batch(std::span<const BatchEntry> entries) {
   const std::size_t vocab = static_cast<std::size_t>(c.vocab_size);
   logits_.resize(static_cast<std::size_t>(gathered) * vocab);
   project({{&w.output, logits_.data()}}, xb_.data(), gathered);
+  if (c.final_softcap > 0.0f) {
+    const float cap = c.final_softcap;
+    for (float& z : logits_) z = cap * std::tanh(z / cap);
+  }
   std::size_t at = 0;
   for (std::size_t i = 0; i < E; ++i) {
     if (!alive_[i] || entries[i].logits == LogitsWanted::none) continue;
@@ -250,6 +275,17 @@ void Engine::run_batch(std::span<const BatchEntry> entries) {
     outcomes_[i].logits = std::span<const float>(logits_.data() + at * vocab, k * vocab);
     at += k;
   }
+}
+
+// x += xb for the n rows, xb first RMS-normalised when the block has a post-norm (gemma3).
+void Engine::add_residual(const std::optional<TensorView>& post_norm, int n) {
+  const ModelConfig& c = model_.config();
+  const std::int64_t d = c.d_model;
+  if (post_norm) {
+    const auto* wn = reinterpret_cast<const float*>(post_norm->data);
+    for (int t = 0; t < n; ++t) kernels::rmsnorm(&xb_[t * d], &xb_[t * d], wn, d, c.rms_eps);
+  }
+  for (int t = 0; t < n; ++t) kernels::add_inplace(&x_[t * d], &xb_[t * d], d);
 }
 
 void Engine::project(std::initializer_list<std::pair<const TensorView*, float*>> outs, const float* x, int n) {

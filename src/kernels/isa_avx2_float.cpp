@@ -106,6 +106,8 @@ inline float dot(const float* a, const float* b, int n) {
 
 }  // namespace
 
+void gelu_mul(float* gate, const float* up, std::int64_t n) { gelu_mul_rows<Vec>(gate, up, n); }
+
 void silu_mul(float* gate, const float* up, std::int64_t n) {
   std::int64_t i = 0;
   for (; i + 8 <= n; i += 8) {

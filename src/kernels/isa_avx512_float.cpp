@@ -172,6 +172,8 @@ void attend_any(const float* q, const float* keys, const float* values, std::int
 
 }  // namespace
 
+void gelu_mul(float* gate, const float* up, std::int64_t n) { gelu_mul_rows<Vec>(gate, up, n); }
+
 void silu_mul(float* gate, const float* up, std::int64_t n) {
   for (std::int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = tail_mask_at(n, i);

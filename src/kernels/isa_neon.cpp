@@ -42,6 +42,8 @@ void attend(const float* q, const float* keys, const float* values, std::int64_t
   portable_table().attend(q, keys, values, stride, n_keys, head_dim, scale, scores, out);
 }
 
+void gelu_mul(float* gate, const float* up, std::int64_t n) { gelu_mul_rows<Vec>(gate, up, n); }
+
 void silu_mul(float* gate, const float* up, std::int64_t n) {
   const auto step = [](float32x4_t g, float32x4_t u) {
     const float32x4_t e = vexp<Vec>(vnegq_f32(g));

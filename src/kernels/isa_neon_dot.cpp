@@ -34,6 +34,7 @@ void attend(const float* q, const float* keys, const float* values, std::int64_t
   neon::attend(q, keys, values, stride, n_keys, head_dim, scale, scores, out);
 }
 void silu_mul(float* gate, const float* up, std::int64_t n) { neon::silu_mul(gate, up, n); }
+void gelu_mul(float* gate, const float* up, std::int64_t n) { neon::gelu_mul(gate, up, n); }
 void tile_decode(const TileCodes& t, const std::byte* tile, int n_rows, float* out) { neon::tile_decode(t, tile, n_rows, out); }
 float tile_scores(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s) {
   return neon::tile_scores(q, rows, n_rows, head_dim, scale, s);

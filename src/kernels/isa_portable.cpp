@@ -175,6 +175,7 @@ constexpr KernelTable kPortable{
     .quantize_act = quantize_act,
     .attend = attend_head_f32_ref,
     .silu_mul = silu_mul_ref,
+    .gelu_mul = gelu_mul_ref,
     .tiles = {decode_tile_ref, scores_ref, weighted_sum_ref, exp_sum_ref, query_codes_ref, code_scores_ref, code_sum_ref,
                rope_rows_ref, fit_ranges_ref},
 };

@@ -73,6 +73,8 @@ using AttendFn = void (*)(const float* q, const float* keys, const float* values
 
 // gate = silu(gate) * up (see ops.hpp).
 using SiluMulFn = void (*)(float* gate, const float* up, std::int64_t n);
+// gate = gelu(gate) * up (see ops.hpp).
+using GeluMulFn = void (*)(float* gate, const float* up, std::int64_t n);
 
 struct KernelTable {
   GemmFn gemm_f32 = nullptr;
@@ -93,6 +95,7 @@ struct KernelTable {
   QuantizeActFn quantize_act = nullptr;
   AttendFn attend = nullptr;
   SiluMulFn silu_mul = nullptr;
+  GeluMulFn gelu_mul = nullptr;
   TileKernels tiles;  // KV tile kernels (kv_tiles.hpp)
 };
 
@@ -131,6 +134,7 @@ const KernelTable& portable_table() noexcept;
   void attend(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys,       \
               int head_dim, float scale, float* scores, float* out);                                        \
   void silu_mul(float* gate, const float* up, std::int64_t n);                                               \
+  void gelu_mul(float* gate, const float* up, std::int64_t n);                                               \
   void tile_decode(const TileCodes& t, const std::byte* tile, int n_rows, float* out);                       \
   float tile_scores(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);      \
   void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, int head_dim);              \

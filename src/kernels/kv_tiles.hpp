@@ -197,22 +197,6 @@ float tile_exp_sum(float* x, int n, float max) {
   return V::hsum(acc);
 }
 
-
-// A product kept rounded on its own. GCC contracts a vector multiply and the
-// add that follows into one FMA when the unit's ISA has one (the intrinsics
-// are plain vector arithmetic to it); the range search must round each step
-// as its reference does, so its products pass through this empty asm, which
-// the compiler cannot see into.
-template <class F>
-inline F unfused(F v) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm("" : "+v"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
-#endif
-  return v;
-}
-
 // kv_tiles.hpp's TileFitFn over V::N series at a time (the reference takes
 // the remaining lanes); the same operations in the same order as
 // fit_ranges_ref, lane by lane.

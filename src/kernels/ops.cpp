@@ -88,6 +88,21 @@ void silu_mul_ref(float* gate, const float* up, std::int64_t n) {
   }
 }
 
+void gelu_mul(float* gate, const float* up, std::int64_t n) { detail::kernels().gelu_mul(gate, up, n); }
+
+void gelu_mul_ref(float* gate, const float* up, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    // Separate roundings, as the vector levels do (vec_math.hpp vgelu).
+    volatile float g3 = g * g;
+    g3 = g3 * g;
+    volatile float inner = 0.044715f * g3;
+    inner = g + inner;
+    volatile float y = 0.7978845608028654f * inner;
+    gate[i] = g / (1.0f + std::exp(-2.0f * y)) * up[i];
+  }
+}
+
 void add_inplace(float* y, const float* x, std::int64_t n) {
 #pragma omp simd
   for (std::int64_t i = 0; i < n; ++i) y[i] += x[i];

@@ -1,5 +1,6 @@
 #include "qkvshare/kv/dense_kv_cache.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -38,8 +39,9 @@ void DenseKvCache::write(int layer, int n, const float* k, const float* v) {
   std::memcpy(v_at(layer, size_), v, bytes);
 }
 
-AttendWork& DenseKvCache::plan_attend(int layer, int n, const float* q, float* out) {
-  QKV_CHECK(layer >= 0 && layer < shape_.n_layers && n > 0 && size_ + n <= capacity_);
+AttendWork& DenseKvCache::plan_attend(int layer, int n, const float* q, float* out, int window) {
+  QKV_CHECK(layer >= 0 && layer < shape_.n_layers && n > 0 && size_ + n <= capacity_ && window >= 0);
+  work_.window = window;
   work_.cache = this;
   work_.layer = layer;
   work_.n = n;
@@ -53,7 +55,8 @@ std::size_t DenseKvCache::Work::jobs() const noexcept {
 }
 
 double DenseKvCache::Work::job_cost() const noexcept {
-  return (cache->size_ + 0.5 * n + 1.0) * cache->shape_.head_dim;
+  const double keys = cache->size_ + 0.5 * n + 1.0;
+  return (window > 0 ? std::min(keys, static_cast<double>(window)) : keys) * cache->shape_.head_dim;
 }
 
 void DenseKvCache::Work::run(std::size_t job) {
@@ -67,10 +70,12 @@ void DenseKvCache::Work::run(std::size_t job) {
   const int t = static_cast<int>(job / static_cast<std::size_t>(s.n_heads));
   const int h = static_cast<int>(job % static_cast<std::size_t>(s.n_heads));
   const int kvh = h / group;
+  const int end = cache->size_ + t + 1, first = window > 0 ? std::max(0, end - window) : 0;
   thread_local std::vector<float> scores;
-  scores.resize(static_cast<std::size_t>(cache->size_ + t + 1));
+  scores.resize(static_cast<std::size_t>(end - first));
   const std::int64_t qoff = static_cast<std::int64_t>(t) * s.q_dim() + static_cast<std::int64_t>(h) * hd;
-  kernels::attend_head_f32(q + qoff, k0 + kvh * hd, v0 + kvh * hd, stride, cache->size_ + t + 1, hd, scale,
+  const std::int64_t skip = static_cast<std::int64_t>(first) * stride;
+  kernels::attend_head_f32(q + qoff, k0 + skip + kvh * hd, v0 + skip + kvh * hd, stride, end - first, hd, scale,
                            scores.data(), out + qoff);
 }
 

@@ -35,11 +35,13 @@ void attend_exact_job(const AttendInput& in, std::size_t job) {
   thread_local std::vector<float> scores;
   const int t = static_cast<int>(job / static_cast<std::size_t>(s.n_heads));
   const int h = static_cast<int>(job % static_cast<std::size_t>(s.n_heads));
-  const int kvh = h / group, n_keys = in.first_pos + t + 1;
+  const int kvh = h / group, end = in.first_pos + t + 1, first = std::max(0, in.visible_from + t);
+  const int n_keys = end - first;
   scores.resize(static_cast<std::size_t>(n_keys));
   const std::size_t qoff = static_cast<std::size_t>(t) * static_cast<std::size_t>(s.q_dim()) +
                            static_cast<std::size_t>(h) * static_cast<std::size_t>(D);
   const auto row = [&](const std::byte* const* tiles, int j) {
+    j += first;
     return reinterpret_cast<const float*>(tiles[(j / T) * s.n_kv_heads + kvh]) + (j % T) * D;
   };
   for (int j = 0; j < n_keys; ++j) scores[static_cast<std::size_t>(j)] = kernels::dot_f32(in.q + qoff, row(in.k_tiles, j), D) * scale;
@@ -95,8 +97,11 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
   scores.resize(static_cast<std::size_t>(nq) * static_cast<std::size_t>(keys));
   tile.resize(static_cast<std::size_t>(T) * D);
   thread_local std::vector<int> visible;  // keys of this partition query i sees
+  thread_local std::vector<int> from;     // the first key query i sees (its window's start)
   thread_local std::vector<Partial> ml;   // running max, then (max, sum of exp)
   visible.resize(static_cast<std::size_t>(nq));
+  from.resize(static_cast<std::size_t>(nq));
+  int from_min = total;
   ml.assign(static_cast<std::size_t>(nq), Partial{-std::numeric_limits<float>::infinity(), 0.0f});
   for (int i = 0; i < nq; ++i) {
     const int t = t0 + i / G, qh = h * G + i % G;
@@ -105,10 +110,16 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     if (in.rotate_k) rotate(&qbuf[static_cast<std::size_t>(i) * D], D);
     const int seen = in.causal ? std::min(in.first_pos + t + 1, total) : total;
     visible[static_cast<std::size_t>(i)] = std::clamp(seen - b0 * T, 0, keys);
+    from[static_cast<std::size_t>(i)] = std::max(0, in.visible_from + t);
+    from_min = std::min(from_min, from[static_cast<std::size_t>(i)]);
   }
   const int last_block = std::min(b1, in.causal ? (in.first_pos + t1 - 1) / T + 1 : (total + T - 1) / T);
-  // Rows of block 0 before key_lo belong to another segment: never read.
-  const auto lo_of = [&](int b) { return b == 0 ? in.key_lo : 0; };
+  // Rows of block 0 before key_lo belong to another segment: never read; nor
+  // are rows before every query's window.
+  const auto lo_of = [&](int b) { return std::max(b == 0 ? in.key_lo : 0, from_min - b * T); };
+  // The first row of block b that query i sees (may be >= its limit).
+  const auto start_of = [&](int b, int i) { return std::max(lo_of(b), from[static_cast<std::size_t>(i)] - b * T); };
+  const int first_block = std::max(b0, from_min / T);
   // Rows of block b that query i sees (may be <= lo), and that any query sees.
   const auto lim_of = [&](int b, int i) {
     return std::min(std::min(T, total - b * T), visible[static_cast<std::size_t>(i)] - (b - b0) * T);
@@ -119,7 +130,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
     return hi;
   };
   const bool on_codes = codes_attention(), on_tables = on_codes && pq_lookup_tables();
-  for (int b = b0; b < last_block; ++b) {
+  for (int b = first_block; b < last_block; ++b) {
     const int rows = std::min(T, total - b * T), lo = lo_of(b);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
     const TileLayout l = tile_layout(in.k_codecs[b], T, D);
@@ -147,7 +158,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       for (int i = 0; i < nq; ++i) {
         const float* si = s0 + static_cast<std::size_t>(i) * keys;
         float& m = ml[static_cast<std::size_t>(i)].m;
-        for (int j = lo; j < lim_of(b, i); ++j) m = std::max(m, si[j]);
+        for (int j = start_of(b, i); j < lim_of(b, i); ++j) m = std::max(m, si[j]);
       }
       continue;
     }
@@ -163,7 +174,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       for (int i = 0; i < nq; ++i) {
         const float* si = s0 + static_cast<std::size_t>(i) * keys;
         float& m = ml[static_cast<std::size_t>(i)].m;
-        for (int j = lo; j < lim_of(b, i); ++j) m = std::max(m, si[j]);
+        for (int j = start_of(b, i); j < lim_of(b, i); ++j) m = std::max(m, si[j]);
       }
       continue;
     }
@@ -181,21 +192,21 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       k = tile.data();
     }
     for (int i = 0; i < nq; ++i) {
-      const int lim = lim_of(b, i);
+      const int lim = lim_of(b, i), st = start_of(b, i);
       float* sc = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       const float* qi = qk + static_cast<std::ptrdiff_t>(i) * D;
-      if (lim > lo)
+      if (lim > st)
         ml[static_cast<std::size_t>(i)].m = std::max(
-            ml[static_cast<std::size_t>(i)].m, ops.scores(qi, k + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D, scale, sc + lo));
+            ml[static_cast<std::size_t>(i)].m, ops.scores(qi, k + static_cast<std::ptrdiff_t>(st) * D, lim - st, D, scale, sc + st));
     }
   }
   for (int i = 0; i < nq; ++i) {
     const int nv = visible[static_cast<std::size_t>(i)];
     Partial& p = ml[static_cast<std::size_t>(i)];
-    const int lo = lo_of(b0);
+    const int lo = start_of(b0, i);  // rows relative to block b0, as nv
     if (nv > lo) p.l = ops.exp_sum(&scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(lo)], nv - lo, p.m);
   }
-  for (int b = b0; b < last_block; ++b) {
+  for (int b = first_block; b < last_block; ++b) {
     const int rows = std::min(T, total - b * T), lo = lo_of(b);
     const std::size_t ti = static_cast<std::size_t>(b) * s.n_kv_heads + h;
     const TileLayout l = tile_layout(in.v_codecs[b], T, D);
@@ -212,6 +223,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       float* p0 = &scores[static_cast<std::size_t>(b - b0) * T];
       for (int i = 0; i < nq; ++i) {
         float* pi = p0 + static_cast<std::size_t>(i) * keys;
+        for (int j = lo, st = std::min(start_of(b, i), hi); j < st; ++j) pi[j] = 0.0f;
         for (int j = std::max(lo, lim_of(b, i)); j < hi; ++j) pi[j] = 0.0f;
       }
       kernels::pq_accumulate(vc, in.v_tiles[ti], lo, hi, p0, static_cast<std::size_t>(keys), nq, pq_hist.data());
@@ -224,6 +236,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       float* p0 = &scores[static_cast<std::size_t>(b - b0) * T];
       for (int i = 0; i < nq; ++i) {
         float* pi = p0 + static_cast<std::size_t>(i) * keys;
+        for (int j = lo, st = std::min(start_of(b, i), hi); j < st; ++j) pi[j] = 0.0f;
         for (int j = std::max(lo, lim_of(b, i)); j < hi; ++j) pi[j] = 0.0f;
       }
       ops.code_sum(vc, in.v_tiles[ti], lo, hi, p0, static_cast<std::size_t>(keys), nq, obuf.data());
@@ -235,10 +248,10 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       v = tile.data();
     }
     for (int i = 0; i < nq; ++i) {
-      const int lim = lim_of(b, i);
+      const int lim = lim_of(b, i), st = start_of(b, i);
       const float* p = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       float* o = &obuf[static_cast<std::size_t>(i) * D];
-      if (lim > lo) ops.weighted_sum(o, p + lo, v + static_cast<std::ptrdiff_t>(lo) * D, lim - lo, D);
+      if (lim > st) ops.weighted_sum(o, p + st, v + static_cast<std::ptrdiff_t>(st) * D, lim - st, D);
     }
   }
   if (pq_v) kernels::pq_reduce(ops, *pq_v, pq_hist.data(), nq, obuf.data());
@@ -301,7 +314,9 @@ std::size_t BlockAttend::jobs() const noexcept {
 
 double BlockAttend::job_cost() const noexcept {
   const KvShape& s = in_.shape;
-  const double keys = in_.causal ? in_.first_pos + 0.5 * in_.n + 1.0 : in_.key_total() - in_.key_lo;
+  double keys = in_.causal ? in_.first_pos + 0.5 * in_.n + 1.0 : in_.key_total() - in_.key_lo;
+  if (in_.visible_from != AttendInput::kWholeContext)
+    keys = std::min(keys, static_cast<double>(std::max(1, in_.key_total() - in_.visible_from)));
   if (ops_ == nullptr) return keys * s.head_dim;
   const double queries = std::min(in_.n, kChunkTokens) * (s.n_heads / s.n_kv_heads);
   return queries * std::min(keys, static_cast<double>(kPartitionBlocks * in_.block_tokens)) * s.head_dim;

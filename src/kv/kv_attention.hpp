@@ -47,6 +47,10 @@ struct AttendInput {
   int key_lo = 0;
   int key_end = -1;
   bool causal = true;
+  // A sliding-window layer: query t sees no key row below visible_from + t
+  // (kWholeContext: no such bound).
+  static constexpr int kWholeContext = -(1 << 30);
+  int visible_from = kWholeContext;
   // When set, the softmax pieces are written instead of `out`, per slot
   // t * n_heads + h: running max and sum of exp in out_ml[2 * slot], the
   // unnormalized weighted sum of values (still Hadamard-rotated) in

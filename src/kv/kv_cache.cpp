@@ -6,8 +6,8 @@
 
 namespace qkvshare {
 
-void KvCache::attend(int layer, int n, const float* q, float* out, ThreadPool& pool) {
-  AttendWork* work = &plan_attend(layer, n, q, out);
+void KvCache::attend(int layer, int n, const float* q, float* out, ThreadPool& pool, int window) {
+  AttendWork* work = &plan_attend(layer, n, q, out, window);
   run_attend_works(std::span<AttendWork* const>(&work, 1), pool);
 }
 

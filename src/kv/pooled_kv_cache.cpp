@@ -409,10 +409,10 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
   }
 }
 
-AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* out) {
+AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* out, int window) {
   const KvShape& s = shape();
-  QKV_CHECK(step_ && step_->n == n && step_->next_layer == layer + 1);
-  if (segments_.size() > 1) return plan_segments(layer, n, q, out);
+  QKV_CHECK(step_ && step_->n == n && step_->next_layer == layer + 1 && window >= 0);
+  if (segments_.size() > 1) return plan_segments(layer, n, q, out, window);
   if (format_.observes()) {  // demote()'s and evict()'s observation window
     const int m = std::min(n, kObservedQueries), qd = s.q_dim();
     step_->obs_rows = m;
@@ -436,6 +436,7 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   in.block_tokens = pool_->block_tokens();
   in.n_blocks = blocks;
   in.first_pos = size_;
+  if (window > 0) in.visible_from = size_ + 1 - window;
   in.n = n;
   in.q = q;
   in.out = out;
@@ -457,7 +458,7 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
 }
 
 
-AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float* out) {
+AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float* out, int window) {
   const KvShape& s = shape();
   const int D = s.head_dim, qd = s.q_dim(), T = pool_->block_tokens();
   if (!segment_work_) segment_work_ = std::make_unique<kv::SegmentAttend>();
@@ -483,6 +484,7 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
     table = rope_table(end);
     inverse = rope_table(end, true);
   }
+  int seg_start = 0;  // the context's token index of the segment's first token
   for (std::size_t si = 0; si < segs; ++si) {
     const KvSegment& seg = segments_[si];
     kv::SegmentAttend::Part& part = w.parts[si];
@@ -539,12 +541,18 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
     in.out_ml = &w.ml[si * w.slots * 2];
     in.out_o = &w.po[si * w.slots * static_cast<std::size_t>(D)];
     if (tail) {
+      QKV_CHECK(seg_start == base_);
       in.first_pos = size_ - base_;
     } else {
+      QKV_CHECK(seg.tokens >= 0);
       in.causal = false;
       in.key_lo = seg.first_row;
       in.key_end = seg.first_row + seg.tokens;
     }
+    // Key row r of this part is token seg_start + r - key_lo of the context;
+    // query t (token size_ + t) sees it when within the window.
+    if (window > 0) in.visible_from = size_ + 1 - window - seg_start + in.key_lo;
+    if (!tail) seg_start += seg.tokens;
     part.work.prepare(in, path);
     w.first_job[si + 1] = w.first_job[si] + part.work.jobs();
   }

@@ -14,6 +14,16 @@ constexpr ArchTraits kArchitectures[] = {
     {.name = "qwen2", .rope = RopeStyle::neox, .qkv_bias = true},
     {.name = "qwen3", .rope = RopeStyle::neox, .qk_norm = true},
     {.name = "phi3", .rope = RopeStyle::neox, .fused_qkv = true},
+    // The converter stores Gemma's RMSNorm weights as 1 + w already, so its
+    // norms are the plain ones here.
+    {.name = "gemma3",
+     .rope = RopeStyle::neox,
+     .qk_norm = true,
+     .embed_scale = true,
+     .post_norms = true,
+     .gelu = true,
+     .swa_pattern = 6,
+     .swa_rope_base = 10000.0f},
 };
 
 }  // namespace

@@ -40,6 +40,13 @@ std::size_t Model::weight_bytes() const noexcept {
   return total;
 }
 
+bool ModelConfig::layered_rope() const noexcept {
+  bool local = false, global = false;
+  for (int w : layer_window) (w > 0 ? local : global) = true;
+  if (layer_window.empty()) global = true;
+  return local && global && (rope_theta_local != rope_theta || rope_scale_local != rope_scale);
+}
+
 namespace {
 
 void expect_shape(const std::string& path, const TensorView& t, std::int64_t cols, std::int64_t rows) {
@@ -91,6 +98,12 @@ void Model::validate() const {
       if (!l.q_norm || !l.k_norm) fail(ErrorCode::bad_model_file, "{}: {} needs q/k norm weights", path_, c.architecture);
       expect_vector(path_, *l.q_norm, c.head_dim);
       expect_vector(path_, *l.k_norm, c.head_dim);
+    }
+    if (c.post_norms) {
+      if (!l.attn_post_norm || !l.ffn_post_norm)
+        fail(ErrorCode::bad_model_file, "{}: {} needs post-attention and post-FFN norm weights", path_, c.architecture);
+      expect_vector(path_, *l.attn_post_norm, c.d_model);
+      expect_vector(path_, *l.ffn_post_norm, c.d_model);
     }
   }
   if (tokenizer_->vocab_size() != c.vocab_size)

@@ -32,6 +32,48 @@ TensorView row_range(const std::string& path, const TensorView& t, std::int64_t 
   return v;
 }
 
+// {arch}.rope.scaling.type: "linear" divides positions by the factor (the
+// global layers of Gemma 3 4B and larger); YaRN and the like are refused.
+void read_rope_scaling(const GgufFile& f, const std::string& a, ModelConfig& c) {
+  const auto type = f.find_string(a + "rope.scaling.type");
+  if (!type || *type == "none") return;
+  if (*type != "linear")
+    fail(ErrorCode::unsupported, "{}: {}rope.scaling.type '{}' is not supported (none and linear are)", f.path(), a,
+         *type);
+  const double factor = f.find_float(a + "rope.scaling.factor").value_or(1.0);
+  if (!(factor >= 1.0 && factor <= 1024.0))
+    fail(ErrorCode::bad_model_file, "{}: {}rope.scaling.factor: {} is outside [1, 1024]", f.path(), a, factor);
+  c.rope_scale = static_cast<float>(factor);
+}
+
+// {arch}.attention.sliding_window: every layer of a llama/mistral file that
+// has it, the local layers of an interleaved architecture (ArchTraits).
+void read_sliding_window(const GgufFile& f, const std::string& a, const ArchTraits& arch, ModelConfig& c) {
+  const std::string key = a + "attention.sliding_window";
+  if (!f.has(key)) {
+    if (arch.swa_pattern > 0)
+      fail(ErrorCode::bad_model_file, "{}: {}: missing ({} interleaves sliding-window layers)", f.path(), key, arch.name);
+    return;
+  }
+  const int window = get_dim(f, key, 0, 1 << 22);
+  if (window == 0) return;
+  c.layer_window.assign(static_cast<std::size_t>(c.n_layers), window);
+  c.rope_theta_local = c.rope_theta;
+  c.rope_scale_local = c.rope_scale;
+  if (arch.swa_pattern > 0) {
+    c.rope_scale_local = 1.0f;
+    for (int l = 0; l < c.n_layers; ++l)
+      if (l % arch.swa_pattern == arch.swa_pattern - 1) c.layer_window[static_cast<std::size_t>(l)] = 0;
+    c.rope_theta_local = arch.swa_rope_base;
+  }
+  // Gemma 3 27B scales queries by 1/sqrt(d_model / n_heads) rather than by
+  // 1/sqrt(head_dim); llama.cpp tells it by its 62 layers. The smaller ones
+  // (the on-device sizes) use head_dim, as every other architecture here.
+  if (arch.name == "gemma3" && c.n_layers == 62)
+    fail(ErrorCode::unsupported, "{}: Gemma 3 27B (62 layers) scales attention by d_model / n_heads; not supported",
+         f.path());
+}
+
 }  // namespace
 
 std::unique_ptr<Model> Model::load_gguf(const std::string& path, MappedFile::Mode mode) {
@@ -80,6 +122,19 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, MappedFile::Mod
   c.rope_style = arch->rope;
   c.qkv_bias = arch->qkv_bias;
   c.qk_norm = arch->qk_norm;
+  c.embed_scale = arch->embed_scale;
+  c.post_norms = arch->post_norms;
+  c.gelu = arch->gelu;
+  read_rope_scaling(f, a, c);
+  read_sliding_window(f, a, *arch, c);
+  if (auto cap = f.find_float(a + "final_logit_softcapping"); cap && *cap != 0.0) {
+    if (!(*cap > 0.0 && std::isfinite(*cap)))
+      fail(ErrorCode::bad_model_file, "{}: {}final_logit_softcapping: {} is not a positive number", path, a, *cap);
+    c.final_softcap = static_cast<float>(*cap);
+  }
+  if (auto cap = f.find_float(a + "attn_logit_softcapping"); cap && *cap != 0.0)
+    fail(ErrorCode::unsupported, "{}: {}attn_logit_softcapping: soft-capped attention scores (Gemma 2) are not supported",
+         path, a);
   if (f.find_tensor("rope_freqs.weight") != nullptr || f.find_tensor("rope_factors_long.weight") != nullptr)
     fail(ErrorCode::unsupported, "{}: RoPE frequency factors (rope_freqs / rope_factors_*: Llama-3.1 or LongRoPE "
          "scaling) are not supported", path);
@@ -123,6 +178,10 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, MappedFile::Mod
     if (c.qk_norm) {
       lw.q_norm = f.tensor(p + "attn_q_norm.weight");
       lw.k_norm = f.tensor(p + "attn_k_norm.weight");
+    }
+    if (c.post_norms) {
+      lw.attn_post_norm = f.tensor(p + "post_attention_norm.weight");
+      lw.ffn_post_norm = f.tensor(p + "post_ffw_norm.weight");
     }
     w.layers.push_back(std::move(lw));
   }

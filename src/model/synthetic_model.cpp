@@ -40,6 +40,12 @@ SyntheticShape with_head(SyntheticShape s, int head_size) {
   return s;
 }
 
+SyntheticShape windowed(SyntheticShape s, int window, float rope_scale) {
+  s.sliding_window = window;
+  s.rope_scale = rope_scale;
+  return s;
+}
+
 SyntheticShape untied(SyntheticShape s) {
   s.tied_embedding = false;
   return s;
@@ -172,6 +178,11 @@ void write_metadata(GgufWriter& w, const SyntheticShape& s, GgmlType type) {
     w.set_u32(a + "attention.key_length", static_cast<std::uint32_t>(s.head_dim()));
     w.set_u32(a + "attention.value_length", static_cast<std::uint32_t>(s.head_dim()));
   }
+  if (s.sliding_window > 0) w.set_u32(a + "attention.sliding_window", static_cast<std::uint32_t>(s.sliding_window));
+  if (s.rope_scale > 1.0f) {
+    w.set_string(a + "rope.scaling.type", "linear");
+    w.set_f32(a + "rope.scaling.factor", s.rope_scale);
+  }
   w.set_u32(a + "vocab_size", static_cast<std::uint32_t>(s.vocab_size));
 
   SyntheticVocab v = make_synthetic_vocab(s.vocab_size);
@@ -194,6 +205,7 @@ std::int64_t SyntheticShape::n_params() const noexcept {
   std::int64_t layer = d * q * 2 + d * kv * 2 + 3 * d * ff + 2 * d;
   if (architecture == "qwen2") layer += q + 2 * kv;
   if (architecture == "qwen3") layer += 2 * head_dim();
+  if (architecture == "gemma3") layer += 2 * head_dim() + 2 * d;
   return static_cast<std::int64_t>(vocab_size) * d * (tied_embedding ? 1 : 2) + layer * n_layers + d;
 }
 
@@ -210,6 +222,17 @@ const std::vector<SyntheticShape>& synthetic_shapes() {
       // 256 wide so that every k-quant fits whole super-blocks; heads wider than d_model / n_heads as in Qwen3.
       with_head(make_shape("tiny-qwen3", "qwen3", 2, 256, 4, 2, 512, 512, 256, 1000000.0f, 1e-6f, "qwen2"), 128),
       untied(make_shape("tiny-phi3", "phi3", 2, 256, 4, 4, 512, 512, 256, 10000.0f, 1e-5f, "llama-bpe")),
+      // Gemma 3 1B: 26 layers in runs of 5 local (512-token window) + 1 global.
+      windowed(with_head(make_shape("gemma3-1b", "gemma3", 26, 1152, 4, 1, 6912, 262144, 32768, 1000000.0f, 1e-6f,
+                                    "llama-bpe"),
+                         256),
+               512, 1.0f),
+      // One run of 5 local layers and a global one; an 8-token window and the
+      // 4B's linear RoPE scaling (x8) on the global layer, so 16 test tokens cross both.
+      windowed(with_head(make_shape("tiny-gemma3", "gemma3", 6, 256, 4, 2, 512, 512, 256, 1000000.0f, 1e-6f,
+                                    "llama-bpe"),
+                         128),
+               8, 8.0f),
   };
   return shapes;
 }
@@ -238,8 +261,10 @@ void validate_shape(const SyntheticShape& s, GgmlType type) {
   const auto bad = [&](std::string_view what) {
     fail(ErrorCode::invalid_argument, "shape '{}': {}", s.name, what);
   };
-  if (s.architecture != "llama" && s.architecture != "qwen2" && s.architecture != "qwen3" && s.architecture != "phi3")
-    bad(fmt::format("architecture '{}' is not llama, qwen2, qwen3 or phi3", s.architecture));
+  if (s.architecture != "llama" && s.architecture != "qwen2" && s.architecture != "qwen3" && s.architecture != "phi3" &&
+      s.architecture != "gemma3")
+    bad(fmt::format("architecture '{}' is not llama, qwen2, qwen3, phi3 or gemma3", s.architecture));
+  if (s.architecture == "gemma3" && s.sliding_window <= 0) bad("gemma3 needs a sliding window");
   if (s.n_layers < 1 || s.n_layers > 1024) bad(fmt::format("{} layers is outside [1, 1024]", s.n_layers));
   if (s.d_model < 2 || s.d_model > (1 << 16)) bad(fmt::format("d_model {} is outside [2, 65536]", s.d_model));
   if (s.n_heads < 1 || (s.head_size == 0 && s.d_model % s.n_heads != 0))
@@ -288,11 +313,12 @@ std::uint64_t write_synthetic_model(const SyntheticShape& s, const SyntheticOpti
       make.random(p + "attn_k.bias", GgmlType::F32, kv, 1);
       make.random(p + "attn_v.bias", GgmlType::F32, kv, 1);
     }
-    if (s.architecture == "qwen3") {  // norms near 1, so that a wrong weight index shows in the logits
+    if (s.architecture == "qwen3" || s.architecture == "gemma3") {  // norms near 1: a wrong weight index shows
       make.random_around_one(p + "attn_q_norm.weight", s.head_dim());
       make.random_around_one(p + "attn_k_norm.weight", s.head_dim());
     }
     make.random(p + "attn_output.weight", t, q, d);
+    if (s.architecture == "gemma3") make.random_around_one(p + "post_attention_norm.weight", d);
     make.ones(p + "ffn_norm.weight", d);
     if (s.architecture == "phi3") {
       make.random(p + "ffn_up.weight", t, d, 2 * ff);
@@ -301,6 +327,7 @@ std::uint64_t write_synthetic_model(const SyntheticShape& s, const SyntheticOpti
       make.random(p + "ffn_up.weight", t, d, ff);
     }
     make.random(p + "ffn_down.weight", t, ff, d);
+    if (s.architecture == "gemma3") make.random_around_one(p + "post_ffw_norm.weight", d);
   }
   make.ones("output_norm.weight", d);
   if (!s.tied_embedding) make.random("output.weight", t, d, s.vocab_size);

@@ -36,6 +36,37 @@ TEST(OpsIsa, SiluMulMatchesTheReference) {
     }
 }
 
+// gelu(g) * u = g * u / (1 + exp(-2y)): y is computed in the same separate
+// roundings on every level, so only the exp (2 ulp) differs; 1 + e damps it
+// and the division and product add 2u, as for SiluMul. Where 1 + e is e
+// (g below about -5) its 2 ulp pass on whole: 6u still holds.
+TEST(OpsIsa, GeluMulMatchesTheReference) {
+  std::mt19937 rng(31);
+  auto g = normal(1000, 4.0f, rng);
+  const auto up = normal(g.size(), 1.0f, rng);
+  const float edge[] = {0.0f, -0.0f, 1e-30f, -1e-30f, 3.0f, -3.0f, 10.0f, -10.0f, 20.0f, -20.0f, 50.0f, -50.0f,
+                        1e10f, -1e10f, 1e30f, -1e30f};
+  for (std::size_t i = 0; i < std::size(edge); ++i) g[i] = edge[i];
+  std::vector<float> ref = g;
+  gelu_mul_ref(ref.data(), up.data(), static_cast<std::int64_t>(g.size()));
+  for (Isa isa : available_isas())
+    for (std::int64_t n : {1, 7, 17, 1000}) {  // vector tails
+      const IsaGuard guard(isa);
+      std::vector<float> out = g;
+      gelu_mul(out.data(), up.data(), n);
+      for (std::int64_t i = 0; i < n; ++i)
+        ASSERT_LE(std::fabs(static_cast<double>(out[i]) - ref[i]), 6.0 * kU * std::fabs(ref[i]) + 1e-37)
+            << isa_name(isa) << " g " << g[i] << " up " << up[i] << " got " << out[i] << " ref " << ref[i];
+      for (std::size_t i = static_cast<std::size_t>(n); i < g.size(); ++i) ASSERT_EQ(out[i], g[i]) << "wrote past n";
+    }
+  // Known values of the tanh form: gelu(1) = 0.841192, gelu(-1) = -0.158808, gelu(3) = 2.996363.
+  std::vector<float> x = {1.0f, -1.0f, 3.0f}, ones(3, 1.0f);
+  gelu_mul_ref(x.data(), ones.data(), 3);
+  EXPECT_NEAR(x[0], 0.841192f, 1e-6f);
+  EXPECT_NEAR(x[1], -0.158808f, 1e-6f);
+  EXPECT_NEAR(x[2], 2.996363f, 1e-6f);
+}
+
 TEST(OpsIsa, RopeEqualsThePerHeadFormulaExactly) {
   std::mt19937 rng(29);
   for (RopeStyle style : {RopeStyle::interleaved, RopeStyle::neox})

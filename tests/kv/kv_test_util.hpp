@@ -42,14 +42,15 @@ inline Pass random_pass(const KvShape& s, int n, unsigned seed) {
   return p;
 }
 
-// Runs one pass; returns the attention outputs of every layer, concatenated.
-inline std::vector<float> run_pass(KvCache& cache, const Pass& p, int n, ThreadPool& pool) {
+// Runs one pass (every layer with the same sliding window, 0: none); returns
+// the attention outputs of every layer, concatenated.
+inline std::vector<float> run_pass(KvCache& cache, const Pass& p, int n, ThreadPool& pool, int window = 0) {
   const KvShape& s = cache.shape();
   std::vector<float> all;
   std::vector<float> out(static_cast<std::size_t>(n) * s.q_dim());
   for (int l = 0; l < s.n_layers; ++l) {
     cache.write(l, n, p.k[static_cast<std::size_t>(l)].data(), p.v[static_cast<std::size_t>(l)].data());
-    cache.attend(l, n, p.q[static_cast<std::size_t>(l)].data(), out.data(), pool);
+    cache.attend(l, n, p.q[static_cast<std::size_t>(l)].data(), out.data(), pool, window);
     all.insert(all.end(), out.begin(), out.end());
   }
   cache.commit(n);

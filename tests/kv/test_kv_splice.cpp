@@ -1,6 +1,7 @@
 // Segments at a position offset (splice): attention over a spliced context
 // equals a fresh computation with the keys at their new positions, for both
-// RoPE styles, every KV format and every attention ISA.
+// RoPE styles, every KV format and every attention ISA; and so does a sliding
+// window (gemma3's local layers) over plain and spliced contexts.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -45,7 +46,7 @@ KvRope make_rope(int head_dim, kernels::RopeStyle style) {
 // at positions pos0.. (keys as projected for a cache that stores them before
 // RoPE, as the engine does); returns the attention outputs (every layer).
 std::vector<float> write_pass(KvCache& cache, const Stream& st, int first, int n, int pos0, const KvRope& rope,
-                              ThreadPool& pool, std::vector<std::vector<float>>* queries = nullptr) {
+                              ThreadPool& pool, std::vector<std::vector<float>>* queries = nullptr, int window = 0) {
   const KvShape& s = st.s;
   testing::Pass p;
   for (int l = 0; l < s.n_layers; ++l) {
@@ -67,15 +68,16 @@ std::vector<float> write_pass(KvCache& cache, const Stream& st, int first, int n
   }
   if (queries != nullptr) *queries = p.q;
   if (cache.keys_before_rope()) cache.set_rope(rope);
-  return testing::run_pass(cache, p, n, pool);
+  return testing::run_pass(cache, p, n, pool, window);
 }
 
 // Attention of `queries` (rotated, [n][q_dim] per layer, query t at logical
 // index size0 + t) over the rows the cache holds now, in double: keys read
 // back (decoded, Hadamard undone) and rotated by `offset_of(i)` to their
-// logical positions. The fresh computation the segments must equal.
+// logical positions. The fresh computation the segments must equal. With a
+// window, query t sees only the last `window` tokens up to itself.
 std::vector<float> reference(const PooledKvCache& c, const std::vector<std::vector<float>>& queries, int size0, int n,
-                             const std::function<int(int)>& offset_of, const KvRope& rope) {
+                             const std::function<int(int)>& offset_of, const KvRope& rope, int window = 0) {
   const KvShape& s = c.shape();
   const int D = s.head_dim, N = c.size(), G = s.n_heads / s.n_kv_heads;
   std::vector<float> all;
@@ -93,20 +95,20 @@ std::vector<float> reference(const PooledKvCache& c, const std::vector<std::vect
       }
       for (int t = 0; t < n; ++t)
         for (int g = 0; g < G; ++g) {
-          const int qh = h * G + g, seen = size0 + t + 1;
+          const int qh = h * G + g, seen = size0 + t + 1, from = window > 0 ? std::max(0, seen - window) : 0;
           const float* q = &queries[static_cast<std::size_t>(l)][static_cast<std::size_t>(t) * s.q_dim() + qh * D];
-          std::vector<double> w(static_cast<std::size_t>(seen));
+          std::vector<double> w(static_cast<std::size_t>(seen), 0.0);
           double mx = -1e300, sum = 0;
-          for (int j = 0; j < seen; ++j) {
+          for (int j = from; j < seen; ++j) {
             double d = 0;
             for (int x = 0; x < D; ++x) d += static_cast<double>(q[x]) * kr[static_cast<std::size_t>(j) * D + x];
             w[static_cast<std::size_t>(j)] = d / std::sqrt(static_cast<double>(D));
             mx = std::max(mx, w[static_cast<std::size_t>(j)]);
           }
-          for (auto& x : w) sum += (x = std::exp(x - mx));
+          for (int j = from; j < seen; ++j) sum += (w[static_cast<std::size_t>(j)] = std::exp(w[static_cast<std::size_t>(j)] - mx));
           for (int x = 0; x < D; ++x) {
             double o = 0;
-            for (int j = 0; j < seen; ++j) o += w[static_cast<std::size_t>(j)] * vr[static_cast<std::size_t>(j) * D + x];
+            for (int j = from; j < seen; ++j) o += w[static_cast<std::size_t>(j)] * vr[static_cast<std::size_t>(j) * D + x];
             out[static_cast<std::size_t>(t) * s.q_dim() + qh * D + x] = static_cast<float>(o / sum);
           }
         }
@@ -199,6 +201,58 @@ TEST(KvSplice, SegmentAttentionEqualsFreshComputationAtNewPositions) {
           }
           EXPECT_EQ(producer.size(), cs.producer_tokens);  // the producer's blocks are untouched
         }
+}
+
+// A sliding window over a plain context and over a spliced one, whose window
+// start falls before, inside and after the spliced segment as the tail grows;
+// 4-token blocks and a 90-token context exercise the decode partitions.
+TEST(KvWindow, WindowedAttentionEqualsFreshComputation) {
+  ThreadPool threads(2);
+  const SpliceCase cases[] = {{{2, 6, 3, 16}, 8, 45}, {{1, 4, 2, 32}, 4, 90}};
+  for (const bool codes : {false, true})
+    for (const SpliceCase& cs : cases)
+      for (const int window : {1, 6, 19, 70})
+        for (const char* text : kSpliceFormats)
+          for (const AttendPath path : every_path()) {
+            const testing::CodesAttentionScope scope(codes);
+            const KvShape& s = cs.shape;
+            const KvFormat f = KvFormat::parse(text);
+            const KvRope r = make_rope(s.head_dim, kernels::RopeStyle::neox);
+            auto pool = KvPool::create(PoolConfig{s, cs.block_tokens, KvPool::arena_bytes_for(s, cs.block_tokens, f, 256, 4)});
+            const Stream prod = make_stream(s, cs.producer_tokens, 21), own = make_stream(s, 60, 22);
+            const std::string what = std::string(text) + " window " + std::to_string(window) + " path " +
+                                     std::to_string(static_cast<int>(path)) + " T=" + std::to_string(cs.block_tokens) +
+                                     (codes ? " on codes" : " decoded");
+            PooledKvCache producer(pool, f, 256), consumer(pool, f, 256);
+            for (PooledKvCache* c : {&producer, &consumer}) {
+              c->set_attend_path(path);
+              c->set_pass_precision(PassPrecision::stored);  // the reference reads the stored rows
+            }
+            // The producer alone: a plain windowed context, prefill then decode.
+            int first = 0;
+            for (int n : {20, 1, cs.producer_tokens - 22, 1}) {
+              std::vector<std::vector<float>> queries;
+              const int size0 = producer.size();
+              const auto got = write_pass(producer, prod, first, n, size0, r, threads, &queries, window);
+              const auto ref = reference(producer, queries, size0, n, [](int) { return 0; }, r, window);
+              ASSERT_LE(max_abs_diff(got, ref), testing::attention_tolerance(f)) << what << " plain n=" << n;
+              first += n;
+            }
+            // [own 11 tokens][producer tokens 5..prod-6][own tail]: the window slides over the segment.
+            const int M = 11, a = 5, b = cs.producer_tokens - 6, S = b - a;
+            write_pass(consumer, own, 0, M, 0, r, threads, nullptr, window);
+            consumer.splice(producer, a, b, r);
+            const auto offset_of = [&](int i) { return i >= M && i < M + S ? M - a : 0; };
+            first = M;
+            for (int n : {5, 1, 9, 1, 20, 1}) {
+              std::vector<std::vector<float>> queries;
+              const int size0 = consumer.size();
+              const auto got = write_pass(consumer, own, first, n, size0, r, threads, &queries, window);
+              const auto ref = reference(consumer, queries, size0, n, offset_of, r, window);
+              ASSERT_LE(max_abs_diff(got, ref), testing::attention_tolerance(f)) << what << " spliced n=" << n;
+              first += n;
+            }
+          }
 }
 
 // Splicing from a context that is itself spliced (a chain of handoffs), the

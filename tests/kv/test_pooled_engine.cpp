@@ -8,6 +8,7 @@
 #include "qkvshare/engine/engine.hpp"
 #include "qkvshare/kernels/isa.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
+#include "qkvshare/model/synthetic_model.hpp"
 #include "kv_test_util.hpp"
 #include "test_paths.hpp"
 
@@ -81,6 +82,58 @@ TEST_F(PooledEngineTest, F32PoolLogitsMatchTheDenseEngine) {
     }
   }
   EXPECT_EQ(pool_->counters().blocks_used, 0u);  // the sessions are gone
+}
+
+// tiny-gemma3 (five layers with an 8-token window, then a global one with
+// another RoPE): the pool's windowed attention under the real forward pass
+// equals the dense engine's over 40 tokens, prefill and decode; quantized
+// formats track it; what needs one RoPE for every layer is refused by name.
+TEST(PooledEngineWindow, Gemma3SlidingWindowLayersOnThePool) {
+  const std::string path = testing::temp_dir() + "/tiny-gemma3-pool.gguf";
+  SyntheticOptions opt;
+  opt.type = GgmlType::F16;
+  opt.n_threads = 2;
+  write_synthetic_model(find_synthetic_shape("tiny-gemma3"), opt, path);
+  const auto model = Model::load(path);
+  std::vector<TokenId> ids;
+  for (int i = 0; i < 40; ++i) ids.push_back((i * 37 + 11) % 500);
+  testing::IsaGuard guard;
+  auto pool = KvPool::create(PoolConfig{KvShape{6, 4, 2, 128}, 16, 32 << 20});
+  const auto session = [&](const char* format) {
+    return std::make_unique<Session>(std::make_unique<PooledKvCache>(pool, KvFormat::parse(format), 128));
+  };
+  for (const kernels::Isa isa : {kernels::Isa::portable, kernels::best_isa()}) {
+    kernels::set_active_isa(isa);
+    Engine engine(*model, EngineOptions{2});
+    auto dense = engine.new_session(128);
+    const auto l = engine.forward(*dense, ids, true);
+    const std::vector<float> want(l.begin(), l.end());
+    auto pooled = session("f32");
+    expect_same_logits(want, engine.forward(*pooled, ids, true), isa == kernels::Isa::portable, "gemma3 prefill");
+    for (TokenId t : {5, 77, 300}) {
+      const std::vector<TokenId> one{t};
+      const auto a = engine.forward(*dense, one);
+      const std::vector<float> av(a.begin(), a.end());
+      expect_same_logits(av, engine.forward(*pooled, one), isa == kernels::Isa::portable, "gemma3 decode");
+    }
+    auto q8 = session("int8");
+    const auto got = engine.forward(*q8, ids, true);
+    double err = 0.0, ref = 0.0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      err += (got[i] - want[i]) * (got[i] - want[i]);
+      ref += want[i] * want[i];
+    }
+    EXPECT_LT(std::sqrt(err / ref), 0.02) << "int8 on a windowed model";
+    auto pre = session("int4:keys=pre");
+    try {
+      engine.forward(*pre, ids);
+      FAIL() << "keys=pre on gemma3 should be refused";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported);
+      EXPECT_NE(std::string(e.what()).find("RoPE"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW((void)engine.rope(), Error);
+  }
 }
 
 TEST_F(PooledEngineTest, QuantizedFormatsTrackF32) {

@@ -98,6 +98,25 @@ TEST(PooledKvCache, F32PoolIsBitIdenticalToDenseCache) {
     const auto b = run_pass(dense, pass, n, threads);
     ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "n=" << n;
   }
+  // And with a sliding window (a gemma3 local layer), narrower and wider than a block.
+  for (const int window : {1, 7, 23}) {
+    PooledKvCache wpooled(pool, KvFormat::parse("f32"), 300);
+    DenseKvCache wdense(s, 300);
+    for (int n : {5, 16, 40, 1, 1, 17}) {
+      const auto pass = random_pass(s, n, seed++);
+      const auto a = run_pass(wpooled, pass, n, threads, window);
+      const auto b = run_pass(wdense, pass, n, threads, window);
+      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "window " << window << " n=" << n;
+      if (window != 1) continue;
+      // A query that sees only itself returns its own value row.
+      for (int t = 0; t < n; ++t)
+        for (int h = 0; h < s.n_heads; ++h)
+          for (int c = 0; c < s.head_dim; ++c)
+            ASSERT_EQ(b[(static_cast<std::size_t>(s.n_layers - 1) * n + t) * s.q_dim() + h * s.head_dim + c],
+                      pass.v[static_cast<std::size_t>(s.n_layers - 1)][static_cast<std::size_t>(t) * s.kv_dim() +
+                                                                         (h / (s.n_heads / s.n_kv_heads)) * s.head_dim + c]);
+    }
+  }
 }
 
 TEST(PooledKvCache, QuantizesOnWriteAndKeepsHotBlocksF16) {

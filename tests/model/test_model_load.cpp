@@ -117,6 +117,9 @@ struct TinyGguf {
   std::string arch = "llama";
   GgmlType matrix_type = GgmlType::Q8_0;
   std::map<std::string, double> overrides;  // replaces the value of a numeric key
+  std::map<std::string, double> extra_f32;  // more float keys (caps, scaling factor)
+  std::map<std::string, std::uint32_t> extra_u32;  // more integer keys (sliding window)
+  std::map<std::string, std::string> extra_strings;
   std::string skip_tensor;
   std::string bad_shape_tensor;
   std::string chat_template;  // tokenizer.chat_template when set
@@ -138,6 +141,9 @@ struct TinyGguf {
     u32(arch + ".context_length", 128);
     f32(arch + ".attention.layer_norm_rms_epsilon", 1e-5);
     f32(arch + ".rope.freq_base", 10000.0);
+    for (const auto& [key, v] : extra_f32) w.set_f32(key, static_cast<float>(v));
+    for (const auto& [key, v] : extra_u32) w.set_u32(key, v);
+    for (const auto& [key, v] : extra_strings) w.set_string(key, v);
     std::vector<std::string> tokens{"<unk>", "<s>", "</s>"};
     std::vector<float> scores{0, 0, 0};
     std::vector<std::int32_t> types{2, 3, 3};
@@ -192,6 +198,12 @@ struct TinyGguf {
       add(p + "ffn_gate.weight", matrix_type, d, ff);
       add(p + "ffn_up.weight", matrix_type, d, ff);
       add(p + "ffn_down.weight", matrix_type, ff, d);
+      if (arch == "gemma3") {
+        add(p + "attn_q_norm.weight", GgmlType::F32, hd, 1);
+        add(p + "attn_k_norm.weight", GgmlType::F32, hd, 1);
+        add(p + "post_attention_norm.weight", GgmlType::F32, d, 1);
+        add(p + "post_ffw_norm.weight", GgmlType::F32, d, 1);
+      }
     }
     const std::string path = testing::temp_dir() + "/" + name;
     w.write(path);
@@ -272,6 +284,61 @@ TEST(GgufModel, MissingOrAbsurdHyperparameters) {
   TinyGguf e;
   e.overrides["llama.attention.layer_norm_rms_epsilon"] = -1.0;
   expect_load_error(e.write("eps.gguf"), "", ErrorCode::bad_model_file, {"eps.gguf", "epsilon"});
+}
+
+TEST(GgufModel, Gemma3InterleavesSlidingWindowLayers) {
+  TinyGguf g;
+  g.arch = "gemma3";
+  g.layers = 7;
+  g.extra_u32["gemma3.attention.sliding_window"] = 16;
+  g.overrides["gemma3.rope.freq_base"] = 1e6;
+  g.extra_strings["gemma3.rope.scaling.type"] = "linear";
+  g.extra_f32["gemma3.rope.scaling.factor"] = 8;
+  const auto m = Model::load(g.write("gemma3.gguf"));
+  const ModelConfig& c = m->config();
+  EXPECT_TRUE(c.embed_scale && c.post_norms && c.gelu && c.qk_norm);
+  EXPECT_EQ(c.layer_window, (std::vector<int>{16, 16, 16, 16, 16, 0, 16}));  // the 6th layer of each run is global
+  EXPECT_EQ(c.rope_theta_local, 10000.0f);
+  EXPECT_EQ(c.rope_scale_local, 1.0f);
+  EXPECT_EQ(c.rope_scale, 8.0f);
+  EXPECT_TRUE(c.layered_rope());
+  EXPECT_TRUE(m->weights().layers[3].ffn_post_norm.has_value());
+}
+
+TEST(GgufModel, Gemma3NeedsItsWindowAndPostNorms) {
+  TinyGguf g;
+  g.arch = "gemma3";
+  expect_load_error(g.write("nowindow.gguf"), "", ErrorCode::bad_model_file,
+                    {"nowindow.gguf", "gemma3.attention.sliding_window", "missing"});
+  TinyGguf n;
+  n.arch = "gemma3";
+  n.extra_u32["gemma3.attention.sliding_window"] = 16;
+  n.skip_tensor = "blk.1.post_ffw_norm.weight";
+  expect_load_error(n.write("nonorm.gguf"), "", ErrorCode::bad_model_file, {"nonorm.gguf", "blk.1.post_ffw_norm.weight"});
+}
+
+TEST(GgufModel, RopeScalingSlidingWindowAndSoftCapsOfOtherFiles) {
+  TinyGguf yarn;
+  yarn.extra_strings["llama.rope.scaling.type"] = "yarn";
+  expect_load_error(yarn.write("yarn.gguf"), "", ErrorCode::unsupported, {"yarn.gguf", "llama.rope.scaling.type", "yarn"});
+  TinyGguf cap;
+  cap.extra_f32["llama.attn_logit_softcapping"] = 50;
+  expect_load_error(cap.write("cap.gguf"), "", ErrorCode::unsupported, {"cap.gguf", "attn_logit_softcapping"});
+  TinyGguf bad;
+  bad.extra_strings["llama.rope.scaling.type"] = "linear";
+  bad.extra_f32["llama.rope.scaling.factor"] = 0.5;
+  expect_load_error(bad.write("factor.gguf"), "", ErrorCode::bad_model_file, {"factor.gguf", "rope.scaling.factor"});
+  TinyGguf ok;
+  ok.extra_strings["llama.rope.scaling.type"] = "linear";
+  ok.extra_f32["llama.rope.scaling.factor"] = 4;
+  ok.extra_f32["llama.final_logit_softcapping"] = 30;
+  ok.extra_u32["llama.attention.sliding_window"] = 8;  // a Mistral-style window: every layer
+  const auto m = Model::load(ok.write("scaled.gguf"));
+  EXPECT_EQ(m->config().rope_scale, 4.0f);
+  EXPECT_EQ(m->config().rope_scale_local, 4.0f);
+  EXPECT_EQ(m->config().final_softcap, 30.0f);
+  EXPECT_EQ(m->config().layer_window, (std::vector<int>{8, 8}));
+  EXPECT_FALSE(m->config().layered_rope());
 }
 
 }  // namespace

@@ -72,6 +72,10 @@ TEST(SyntheticShapes, NamedShapesHaveTheRealModelsDimensions) {
   const SyntheticShape& q3 = find_synthetic_shape("qwen3-0.6b");  // 596M parameters with the tied embedding
   EXPECT_EQ(q3.head_dim(), 128);
   EXPECT_NEAR(static_cast<double>(q3.n_params()), 596e6, 2e6);
+  const SyntheticShape& g3 = find_synthetic_shape("gemma3-1b");  // 999.9M parameters (tied)
+  EXPECT_EQ(g3.head_dim(), 256);
+  EXPECT_EQ(g3.sliding_window, 512);
+  EXPECT_NEAR(static_cast<double>(g3.n_params()), 999.9e6, 2e6);
   for (const SyntheticShape& shape : synthetic_shapes())
     for (const GgmlType t : {GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0}) EXPECT_NO_THROW(validate_shape(shape, t));
 }
@@ -145,7 +149,8 @@ INSTANTIATE_TEST_SUITE_P(SyntheticTypes, SyntheticModelLoad,
                                            std::tuple{"tiny-qwen2", GgmlType::Q8_0},
                                            std::tuple{"tiny-qwen2", GgmlType::Q4_0},
                                            std::tuple{"tiny-qwen3", GgmlType::Q4_K},
-                                           std::tuple{"tiny-phi3", GgmlType::Q5_K}));
+                                           std::tuple{"tiny-phi3", GgmlType::Q5_K},
+                                           std::tuple{"tiny-gemma3", GgmlType::Q8_0}));
 
 TEST(SyntheticModel, SameSeedSameBytesAtAnyThreadCount) {
   const std::string dir = testing::temp_dir();

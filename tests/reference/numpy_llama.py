@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Independent NumPy reference forward pass for Llama-architecture models
-(llama, and the qwen2 / qwen3 / phi3 variants).
+(llama, and the qwen2 / qwen3 / phi3 / gemma3 variants).
 
 Shares no code with the C++ engine: GGUF files are parsed with the PyPI
 `gguf` package (`gguf.GGUFReader`) and tensors are dequantized with
@@ -64,6 +64,19 @@ class Config:
     # RMS-normalises each head of q and k (own weights) before RoPE.
     arch: str = "llama"
     neox_rope: bool = False
+    # gemma3 (Gemma 3 model definition): embeddings times sqrt(dim); RMSNorm
+    # of the attention and FFN outputs before each residual add; GELU (tanh
+    # approximation) gating; layers i with i % 6 != 5 attend only to the last
+    # `sliding_window` positions and rotate with base 10000, unscaled; the
+    # others use rope_theta with linear scaling (positions / rope_scale).
+    embed_scale: bool = False
+    post_norms: bool = False
+    gelu: bool = False
+    layer_window: tuple = ()
+    rope_theta_local: float = 10000.0
+    rope_scale: float = 1.0
+    rope_scale_local: float = 1.0
+    final_softcap: float = 0.0
 
 
 @dataclass
@@ -82,6 +95,8 @@ class Layer:
     bv: np.ndarray | None = None
     q_norm: np.ndarray | None = None  # qwen3 per-head RMSNorm weights [head_dim]
     k_norm: np.ndarray | None = None
+    attn_post_norm: np.ndarray | None = None  # gemma3 [dim]
+    ffn_post_norm: np.ndarray | None = None
 
 
 class KVCache:
@@ -112,7 +127,10 @@ class Model:
         # pair i rotates dims (2i, 2i+1) by pos * theta^(-2i/head_dim)
         # (llama2.c run.c and ggml's "normal" rope mode, which GGUF llama
         # checkpoints are permuted for).
-        self._inv_freq = (cfg.rope_theta ** (-np.arange(0, rd, 2, dtype=np.float64) / rd)).astype(self.dtype)
+        self._inv_freq = (cfg.rope_theta ** (-np.arange(0, rd, 2, dtype=np.float64) / rd)
+                          / cfg.rope_scale).astype(self.dtype)
+        self._inv_freq_local = (cfg.rope_theta_local ** (-np.arange(0, rd, 2, dtype=np.float64) / rd)
+                                / cfg.rope_scale_local).astype(self.dtype)
 
     # ---- checks -----------------------------------------------------------
     def _check_shapes(self):
@@ -147,11 +165,12 @@ class Model:
         ms = np.mean(x * x, axis=-1, keepdims=True)
         return x / np.sqrt(ms + self.cfg.rms_eps) * w
 
-    def _rope(self, x, positions):
+    def _rope(self, x, positions, inv_freq=None):
         # x: [n, heads, head_dim]; rotate pairs of the first rope_dim dims:
         # adjacent (2i, 2i+1), or (i, i + rope_dim/2) for NeoX-style models.
         rd = self.cfg.rope_dim
-        ang = positions.astype(self.dtype)[:, None] * self._inv_freq[None, :]  # [n, rd/2]
+        inv_freq = self._inv_freq if inv_freq is None else inv_freq
+        ang = positions.astype(self.dtype)[:, None] * inv_freq[None, :]  # [n, rd/2]
         cos = np.cos(ang)[:, None, :]
         sin = np.sin(ang)[:, None, :]
         out = x.copy()
@@ -205,7 +224,11 @@ class Model:
         mask = np.arange(T)[None, :] > positions[:, None]  # [n, T]
 
         x = self.tok_embd[ids].astype(self.dtype, copy=True)  # [n, dim]
+        if c.embed_scale:
+            x = x * np.sqrt(c.dim)
         for li, L in enumerate(self.layers):
+            window = c.layer_window[li] if c.layer_window else 0
+            inv_freq = self._inv_freq_local if window > 0 else self._inv_freq
             h = self._rmsnorm(x, L.attn_norm)
             q, k, v = self._mm(h, L.wq), self._mm(h, L.wk), self._mm(h, L.wv)
             if L.bq is not None:
@@ -213,8 +236,8 @@ class Model:
             q, k, v = q.reshape(n, H, hd), k.reshape(n, Hkv, hd), v.reshape(n, Hkv, hd)
             if L.q_norm is not None:
                 q, k = self._rmsnorm(q, L.q_norm), self._rmsnorm(k, L.k_norm)
-            q = self._rope(q, positions)
-            k = self._rope(k, positions)
+            q = self._rope(q, positions, inv_freq)
+            k = self._rope(k, positions, inv_freq)
             if cache.k[li] is None:
                 cache.k[li], cache.v[li] = k, v
             else:
@@ -223,19 +246,35 @@ class Model:
             K = np.repeat(cache.k[li], group, axis=1)  # [T, H, hd]; head h -> kv head h // group
             V = np.repeat(cache.v[li], group, axis=1)
             scores = np.einsum("nhd,thd->hnt", q, K) * scale  # [H, n, T]
-            scores[:, mask] = -np.inf
+            layer_mask = mask
+            if window > 0:  # sliding window: keys at most window - 1 positions back
+                layer_mask = mask | (positions[:, None] - np.arange(T)[None, :] >= window)
+            scores[:, layer_mask] = -np.inf
             probs = self._softmax(scores, axis=-1)
             attn = np.einsum("hnt,thd->nhd", probs, V).reshape(n, H * hd)
-            x = x + self._mm(attn, L.wo)
+            o = self._mm(attn, L.wo)
+            if L.attn_post_norm is not None:
+                o = self._rmsnorm(o, L.attn_post_norm)
+            x = x + o
             h = self._rmsnorm(x, L.ffn_norm)
             g = self._mm(h, L.w_gate)
             u = self._mm(h, L.w_up)
-            x = x + self._mm((g / (1.0 + np.exp(-g))) * u, L.w_down)
+            if c.gelu:
+                act = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3)))
+            else:
+                act = g / (1.0 + np.exp(-g))
+            o = self._mm(act * u, L.w_down)
+            if L.ffn_post_norm is not None:
+                o = self._rmsnorm(o, L.ffn_post_norm)
+            x = x + o
         cache.length = T
         if last_only:
             x = x[-1:]
         x = self._rmsnorm(x, self.output_norm)
-        return self._mm(x, self.output)
+        logits = self._mm(x, self.output)
+        if c.final_softcap > 0:
+            logits = c.final_softcap * np.tanh(logits / c.final_softcap)
+        return logits
 
     def logits(self, token_ids) -> np.ndarray:
         """Logits at every position of `token_ids`, one batched pass: [n, vocab]."""
@@ -279,8 +318,8 @@ def load_gguf(path, dtype=DTYPE) -> Model:
 
     r = gguf.GGUFReader(str(path))
     arch = _field(r, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "phi3"):
-        raise ValueError(f"{path}: architecture {arch!r}, only llama, qwen2, qwen3, phi3 supported")
+    if arch not in ("llama", "qwen2", "qwen3", "phi3", "gemma3"):
+        raise ValueError(f"{path}: architecture {arch!r}, only llama, qwen2, qwen3, phi3, gemma3 supported")
     tensors = {t.name: t for t in r.tensors}
     if "rope_freqs.weight" in tensors:
         raise NotImplementedError("rope_freqs (Llama-3.1 rope scaling) not supported")
@@ -313,8 +352,25 @@ def load_gguf(path, dtype=DTYPE) -> Model:
         rms_eps=float(_field(r, a + "attention.layer_norm_rms_epsilon")),
         max_seq_len=int(_field(r, a + "context_length", 2048)),
         arch=arch,
-        neox_rope=arch in ("qwen2", "qwen3", "phi3"),
+        neox_rope=arch in ("qwen2", "qwen3", "phi3", "gemma3"),
     )
+    scaling = _field(r, a + "rope.scaling.type", "none")
+    if scaling == "linear":
+        cfg.rope_scale = cfg.rope_scale_local = float(_field(r, a + "rope.scaling.factor"))
+    elif scaling != "none":
+        raise NotImplementedError(f"rope scaling {scaling!r}")
+    window = int(_field(r, a + "attention.sliding_window", 0)) if (a + "attention.sliding_window") in r.fields else 0
+    if window > 0:
+        if arch == "gemma3":  # five local layers, then a global one
+            cfg.layer_window = tuple(0 if i % 6 == 5 else window for i in range(cfg.n_layers))
+            cfg.rope_theta_local, cfg.rope_scale_local = 10000.0, 1.0
+        else:
+            cfg.layer_window = (window,) * cfg.n_layers
+            cfg.rope_theta_local = cfg.rope_theta
+    if arch == "gemma3":
+        cfg.embed_scale = cfg.post_norms = cfg.gelu = True
+    if (a + "final_logit_softcapping") in r.fields:
+        cfg.final_softcap = float(_field(r, a + "final_logit_softcapping"))
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
@@ -338,8 +394,11 @@ def load_gguf(path, dtype=DTYPE) -> Model:
         )
         if arch == "qwen2":
             layer.bq, layer.bk, layer.bv = (get(p + f"attn_{x}.bias") for x in "qkv")
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             layer.q_norm, layer.k_norm = get(p + "attn_q_norm.weight"), get(p + "attn_k_norm.weight")
+        if arch == "gemma3":
+            layer.attn_post_norm = get(p + "post_attention_norm.weight")
+            layer.ffn_post_norm = get(p + "post_ffw_norm.weight")
         layers.append(layer)
     tied = "output.weight" not in tensors
     output = tok_embd if tied else get("output.weight")

@@ -2,7 +2,9 @@
 
 `qkvshare make-model` writes small random-weight files of each architecture
 (tiny-llama, tiny-qwen2, tiny-qwen3 with heads wider than d_model / n_heads,
-tiny-phi3 with fused tensors) in each weight type; the engine's logits
+tiny-phi3 with fused tensors, tiny-gemma3 with its 8-token sliding window
+crossed by the 16 test tokens and RoPE scaling on its global layer) in each
+weight type; the engine's logits
 (`--exact-matmul`: float activations) must match numpy_llama's float64
 forward pass over the gguf package's dequantization at the f32 profile of
 test_logits_reference.py, in one batched pass and token by token.
@@ -24,7 +26,8 @@ IDS = [3, 141, 59, 265, 35, 89, 79, 323, 84, 62, 64, 338, 327, 95, 2, 88]
 NEW_TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS"]
 CASES = ([("tiny-qwen3", t) for t in NEW_TYPES + ["Q6_K", "Q8_0", "F16"]]
          + [("tiny-llama", t) for t in ["Q5_0", "IQ4_NL", "Q4_K"]]  # 64 wide: k-quants fall back to 32-blocks
-         + [("tiny-qwen2", "Q5_1"), ("tiny-phi3", "Q4_K"), ("tiny-phi3", "Q8_0")])
+         + [("tiny-qwen2", "Q5_1"), ("tiny-phi3", "Q4_K"), ("tiny-phi3", "Q8_0")]
+         + [("tiny-gemma3", t) for t in ["F16", "Q8_0", "Q4_K"]])
 
 
 @pytest.fixture(scope="module")

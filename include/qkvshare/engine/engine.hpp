@@ -100,6 +100,8 @@ class Engine {
   ThreadPool& pool() noexcept { return pool_; }
   KvShape kv_shape() const noexcept;
   // The rotary embedding of the forward pass, for caches that move segments.
+  // Throws Error(unsupported) for a model whose layers rotate differently
+  // (gemma3's local and global RoPE): one KvRope cannot describe it.
   KvRope rope() const;
 
   // A session with a dense f32 cache of `capacity` tokens (0: the model's context length).
@@ -133,12 +135,15 @@ class Engine {
   // call (activations quantized once), or exact matmuls one by one.
   void project(std::initializer_list<std::pair<const TensorView*, float*>> outs, const float* x, int n);
   void ensure_scratch(int n);
+  void add_residual(const std::optional<TensorView>& post_norm, int n);
   void build_float_weights();
 
   const Model& model_;
   EngineOptions options_;
   ThreadPool pool_;
-  std::vector<float> inv_freq_;
+  // RoPE frequencies of the whole-context layers and of the sliding-window
+  // ones (ModelConfig::rope_theta_local): one list when they agree.
+  std::vector<float> inv_freq_, inv_freq_local_;
   // Scratch, sized for max_batch tokens.
   std::vector<float> x_, xb_, q_, k_, v_, att_, gate_, up_, logits_, forward_logits_;
   int scratch_tokens_ = 0;

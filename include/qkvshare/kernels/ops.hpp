@@ -29,6 +29,12 @@ void softmax(float* x, std::int64_t n);
 void silu_mul(float* gate, const float* up, std::int64_t n);
 // Scalar reference of silu_mul (std::exp).
 void silu_mul_ref(float* gate, const float* up, std::int64_t n);
+// gate = gelu(gate) * up (GeGLU, Gemma), GELU in its tanh approximation as
+// the models were trained with, computed as g / (1 + exp(-2y)),
+// y = sqrt(2/pi) (g + 0.044715 g^3). Runs the active ISA's kernel.
+void gelu_mul(float* gate, const float* up, std::int64_t n);
+// Scalar reference of gelu_mul (std::exp).
+void gelu_mul_ref(float* gate, const float* up, std::int64_t n);
 // y += x
 void add_inplace(float* y, const float* x, std::int64_t n);
 // y += a * x

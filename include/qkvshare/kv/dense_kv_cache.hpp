@@ -15,7 +15,7 @@ class DenseKvCache final : public KvCache {
   int size() const noexcept override { return size_; }
   int capacity() const noexcept override { return capacity_; }
   void write(int layer, int n, const float* k, const float* v) override;
-  AttendWork& plan_attend(int layer, int n, const float* q, float* out) override;
+  AttendWork& plan_attend(int layer, int n, const float* q, float* out, int window = 0) override;
   void commit(int n) override;
 
   const float* keys(int layer, int token) const;
@@ -30,7 +30,7 @@ class DenseKvCache final : public KvCache {
     void run(std::size_t job) override;
     void finish() override {}
     const DenseKvCache* cache = nullptr;
-    int layer = 0, n = 0;
+    int layer = 0, n = 0, window = 0;
     const float* q = nullptr;
     float* out = nullptr;
   };

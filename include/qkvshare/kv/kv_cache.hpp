@@ -65,13 +65,15 @@ class KvCache {
   virtual void write(int layer, int n, const float* k, const float* v) = 0;
 
   // Causal attention of the `n` tokens just written to `layer`: query t sees
-  // tokens [0, size() + t]. q and out are [n][q_dim]; q is rotated. The work
-  // belongs to the cache and stays valid until its next write, plan_attend or
-  // commit; q and out must stay valid until the work has finished.
-  virtual AttendWork& plan_attend(int layer, int n, const float* q, float* out) = 0;
+  // tokens [0, size() + t], or with window > 0 (a sliding-window layer) the
+  // last `window` of them, itself included: [size() + t + 1 - window, size() + t].
+  // q and out are [n][q_dim]; q is rotated. The work belongs to the cache and
+  // stays valid until its next write, plan_attend or commit; q and out must
+  // stay valid until the work has finished.
+  virtual AttendWork& plan_attend(int layer, int n, const float* q, float* out, int window = 0) = 0;
 
   // plan_attend, then its jobs on `pool`: the attention of one cache alone.
-  void attend(int layer, int n, const float* q, float* out, ThreadPool& pool);
+  void attend(int layer, int n, const float* q, float* out, ThreadPool& pool, int window = 0);
 
   // Makes the `n` tokens written to every layer part of the cache.
   virtual void commit(int n) = 0;

@@ -89,7 +89,7 @@ class PooledKvCache final : public KvCache {
   int position_gap() const noexcept { return position_gap_; }
   void set_position_gap(int gap) noexcept { position_gap_ = gap; }
   void write(int layer, int n, const float* k, const float* v) override;
-  AttendWork& plan_attend(int layer, int n, const float* q, float* out) override;
+  AttendWork& plan_attend(int layer, int n, const float* q, float* out, int window = 0) override;
   void commit(int n) override;
 
   // A context over existing blocks (a handed-off one): takes its own
@@ -183,7 +183,7 @@ class PooledKvCache final : public KvCache {
 
  private:
   struct Step;  // the pass between the first write() and commit()
-  AttendWork& plan_segments(int layer, int n, const float* q, float* out);
+  AttendWork& plan_segments(int layer, int n, const float* q, float* out, int window);
   void plan(int n);
   void discard_step() noexcept;
   void write_block(int layer, int b, const float* k, const float* v, int n);

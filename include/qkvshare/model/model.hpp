@@ -30,16 +30,37 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   RopeStyle rope_style = RopeStyle::interleaved;
   bool qkv_bias = false;
-  bool qk_norm = false;  // RMSNorm of each q and k head before RoPE (qwen3)
+  bool qk_norm = false;  // RMSNorm of each q and k head before RoPE (qwen3, gemma3)
+  bool embed_scale = false;  // embeddings times sqrt(d_model) (gemma3)
+  bool post_norms = false;   // RMSNorm of attention and FFN outputs before the residual add (gemma3)
+  bool gelu = false;         // GeGLU instead of SwiGLU (gemma3)
+  // Linear RoPE scaling ({arch}.rope.scaling.type linear): positions divided
+  // by this factor in the layers that attend to the whole context.
+  float rope_scale = 1.0f;
+  // Sliding-window layers: layer_window[l] > 0 is the number of most recent
+  // tokens layer l attends to (itself included); 0 is the whole context.
+  // Those layers use RoPE base rope_theta_local and scale rope_scale_local
+  // (gemma3: 10000, unscaled; otherwise the global ones).
+  std::vector<int> layer_window;
+  float rope_theta_local = 10000.0f;
+  float rope_scale_local = 1.0f;
+  // tanh soft-capping of the logits ({arch}.final_logit_softcapping), 0: none.
+  float final_softcap = 0.0f;
 
   int q_dim() const noexcept { return n_heads * head_dim; }
   int kv_dim() const noexcept { return n_kv_heads * head_dim; }
+  int window(int layer) const noexcept {
+    return layer_window.empty() ? 0 : layer_window[static_cast<std::size_t>(layer)];
+  }
+  // Whether layers rotate with different frequencies (local and global RoPE).
+  bool layered_rope() const noexcept;
 };
 
 struct LayerWeights {
   TensorView attn_norm, wq, wk, wv, wo;
   std::optional<TensorView> bq, bk, bv;  // qwen2
-  std::optional<TensorView> q_norm, k_norm;  // qwen3: [head_dim]
+  std::optional<TensorView> q_norm, k_norm;  // qwen3, gemma3: [head_dim]
+  std::optional<TensorView> attn_post_norm, ffn_post_norm;  // gemma3: [d_model]
   TensorView ffn_norm, w_gate, w_up, w_down;
 };
 

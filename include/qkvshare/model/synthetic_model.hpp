@@ -19,7 +19,9 @@ namespace qkvshare {
 
 struct SyntheticShape {
   std::string name;
-  std::string architecture = "llama";  // "llama", "qwen2" (q/k/v biases), "qwen3" (q/k norms), "phi3" (fused)
+  // "llama", "qwen2" (q/k/v biases), "qwen3" (q/k norms), "phi3" (fused),
+  // "gemma3" (q/k norms, post-norms, GeGLU, sliding-window layers)
+  std::string architecture = "llama";
   int n_layers = 0;
   int d_model = 0;
   int n_heads = 0;
@@ -35,6 +37,8 @@ struct SyntheticShape {
   std::string pre = "smollm";
 
   int head_size = 0;  // 0: d_model / n_heads; else written as attention.key_length (Qwen3's wider heads)
+  int sliding_window = 0;   // > 0: written as attention.sliding_window
+  float rope_scale = 1.0f;  // > 1: rope.scaling.type linear with this factor
 
   int head_dim() const noexcept { return head_size > 0 ? head_size : (n_heads > 0 ? d_model / n_heads : 0); }
   // Parameters of all weight tensors (norms and biases included).
@@ -42,7 +46,8 @@ struct SyntheticShape {
 };
 
 // The built-in shapes: smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, llama3.2-1b,
-// phi3-mini, and the tiny tiny-llama / tiny-qwen2 / tiny-qwen3 / tiny-phi3 used by tests.
+// phi3-mini, gemma3-1b, and the tiny tiny-llama / tiny-qwen2 / tiny-qwen3 /
+// tiny-phi3 / tiny-gemma3 used by tests.
 const std::vector<SyntheticShape>& synthetic_shapes();
 // Throws Error(invalid_argument) naming the known shapes when `name` is none of them.
 const SyntheticShape& find_synthetic_shape(std::string_view name);
