@@ -38,7 +38,8 @@ def spread(run, kind, depth):
     if not t:
         return "–"
     s = t["tokens_per_s"]
-    return f"{s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f})" if len(s["samples"]) > 1 else f"{s['median']:.1f}"
+    text = f"{s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f})" if len(s["samples"]) > 1 else f"{s['median']:.1f}"
+    return text + (f" [{t['version']}]" if "version" in t else "")  # the faster llama.cpp: which version it was
 
 
 def fmt(x, spec=".2f", suffix=""):
@@ -60,6 +61,16 @@ def runs_of(model):
     return {r["engine"]: r for r in model["runs"]}
 
 
+def engines_of(res):
+    """qkvshare, the anchor (the faster llama.cpp when several versions ran), then each version's own run."""
+    names = {r["engine"] for m in res["models"] for r in m["runs"]}
+    return [e for e in ENGINES if e in names] + sorted(names - set(ENGINES))
+
+
+def label(engine, res):
+    return "llama.cpp (faster)" if engine == "llama.cpp" and len(res.get("llama_versions", [])) > 1 else engine
+
+
 def tables(res):
     depths = res["depths"]
     deep = max(depths)
@@ -70,7 +81,7 @@ def tables(res):
            + " | peak RSS MiB |", "|---|---|---:|" + "---:|" * len(depths) + "---:|"]
     for m in res["models"]:
         rs = runs_of(m)
-        for e in ENGINES:
+        for e in engines_of(res):
             r = rs.get(e)
             if not r:
                 continue
@@ -78,8 +89,9 @@ def tables(res):
             rss = r.get("peak_rss_bytes")
             if "error" in r:
                 cells = [f"failed: {r['error'][:60]}"] + ["–"] * len(depths)
-            out.append(f"| {m['name']} | {e} | " + " | ".join(cells) + f" | {fmt(rss and rss / MiB, '.0f')} |")
-    out += ["", "### Ratios qkvshare / llama.cpp (targets: prefill ≥ 0.8, decode ≥ 1.0, RSS ≤ 1.0; ✗ = missed)", "",
+            out.append(f"| {m['name']} | {label(e, res)} | " + " | ".join(cells) + f" | {fmt(rss and rss / MiB, '.0f')} |")
+    against = "the faster llama.cpp, test by test" if len(res.get("llama_versions", [])) > 1 else "llama.cpp"
+    out += ["", f"### Ratios qkvshare / {against} (targets: prefill ≥ 0.8, decode ≥ 1.0, RSS ≤ 1.0; ✗ = missed)", "",
             "| model | prefill | " + " | ".join(f"decode @ d{d}" for d in depths) + " | peak RSS |",
             "|---|---:|" + "---:|" * len(depths) + "---:|"]
     for m in res["models"]:

@@ -68,7 +68,7 @@ void run_calibrate(const CalibrateArgs& a) {
         // part within a block of --block-tokens (keys=block); exact rotations, to rounding.
         const int undo = h.keys == KeyRope::pre ? t : h.keys == KeyRope::block ? t - t % a.block_tokens : 0;
         if (undo != 0)
-          kernels::rope(&keys[at], shape.n_kv_heads, shape.head_dim, -static_cast<float>(undo), rope.inv_freq.data(),
+          kernels::rope(&keys[at], shape.n_kv_heads, shape.head_dim, -static_cast<float>(undo), rope.freq(l).data(),
                         rope.style);
         std::copy(cache.values(l, t), cache.values(l, t) + kvd, values.begin() + static_cast<std::ptrdiff_t>(at));
       }

@@ -77,7 +77,7 @@ void register_make_model(CLI::App& app) {
   auto args = std::make_shared<MakeModelArgs>();
   CLI::App* cmd = app.add_subcommand(
       "make-model", "Write a random-weight GGUF of a named shape (benchmarks and tests only)");
-  cmd->add_option("--shape", args->shape, "A named shape (--list-shapes): smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, llama3.2-1b, phi3-mini, tiny-*");
+  cmd->add_option("--shape", args->shape, "A named shape (--list-shapes): smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, llama3.2-1b, phi3-mini, gemma3-1b, tiny-*");
   cmd->add_option("--type", args->type, "Weight type of the matrices and token_embd: F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS")
       ->capture_default_str();
   cmd->add_option("-o,--output", args->output, "Output GGUF file (written atomically)");

@@ -65,12 +65,14 @@ std::size_t Engine::float_copy_bytes() const noexcept {
 
 KvRope Engine::rope() const {
   const ModelConfig& c = model_.config();
-  if (c.layered_rope())
-    fail(ErrorCode::unsupported,
-         "{}: its sliding-window and global layers use different RoPE (base {} and {}): moving KV to other positions "
-         "(splice, keys=pre|block formats) needs one RoPE for all layers",
-         c.architecture, c.rope_theta_local, c.rope_theta);
-  return KvRope{c.layer_window.empty() || c.window(0) == 0 ? inv_freq_ : inv_freq_local_, c.rope_style};
+  KvRope r{inv_freq_, c.rope_style, {}, {}};
+  if (c.layered_rope()) {  // gemma3: the sliding-window layers rotate with their own base
+    r.local_inv_freq = inv_freq_local_;
+    for (int l = 0; l < c.n_layers; ++l) r.local_layers.push_back(c.window(l) > 0 ? 1 : 0);
+  } else if (!c.layer_window.empty()) {
+    r.inv_freq = inv_freq_local_;  // every layer windowed: one RoPE, the same as inv_freq_
+  }
+  return r;
 }
 
 void Session::note_placed(std::span<const TokenId> tokens) {
@@ -108,7 +110,6 @@ void Engine::check_entry(const Session& session, std::span<const TokenId> tokens
   for (TokenId t : tokens)
     if (t < 0 || t >= c.vocab_size)
       fail(ErrorCode::invalid_argument, "token id {} is outside the vocabulary [0, {})", t, c.vocab_size);
-  if (session.cache().keys_before_rope()) rope();  // throws when the layers' RoPE differ
 }
 
 std::span<const float> Engine::forward(Session& session, std::span<const TokenId> tokens, bool all_logits) {

@@ -209,9 +209,12 @@ std::uint32_t PooledKvCache::block_flags() const noexcept {
 }
 
 void PooledKvCache::set_rope(const KvRope& rope) {
-  if (rope.inv_freq == rope_.inv_freq && rope.style == rope_.style) return;
+  if (rope == rope_) return;
+  if (rope.layered() && static_cast<int>(rope.local_layers.size()) != shape().n_layers)
+    fail(ErrorCode::invalid_argument, "RoPE of {} layers for a context of {}", rope.local_layers.size(), shape().n_layers);
   rope_ = rope;
   rope_table_.reset();
+  rope_table_local_.reset();
 }
 
 void PooledKvCache::set_key_rope(kv::AttendInput& in, const int* positions, const float* table,
@@ -223,13 +226,16 @@ void PooledKvCache::set_key_rope(kv::AttendInput& in, const int* positions, cons
   in.rope_style = rope_.style;
 }
 
-const float* PooledKvCache::rope_table(int end_position, bool inverse) const {
+const float* PooledKvCache::rope_table(int layer, int end_position, bool inverse) const {
   const int D = shape().head_dim;
-  if (static_cast<int>(rope_.inv_freq.size()) * 2 != D)
+  const std::vector<float>& freq = rope_.freq(layer);
+  if (static_cast<int>(freq.size()) * 2 != D)
     fail(ErrorCode::invalid_argument, "KV format {}: keys stored before RoPE need the model's RoPE frequencies "
          "(set_rope; the engine gives them before each pass)", format_.to_string());
-  if (!rope_table_ || rope_table_->positions() < end_position) rope_table_ = kv::RopeTable::at_least(rope_, end_position);
-  return inverse ? rope_table_->inverse_rows() : rope_table_->rows();
+  std::shared_ptr<const kv::RopeTable>& table = &freq == &rope_.inv_freq ? rope_table_ : rope_table_local_;
+  if (!table || table->positions() < end_position)
+    table = kv::RopeTable::at_least(KvRope{freq, rope_.style, {}, {}}, end_position);
+  return inverse ? table->inverse_rows() : table->rows();
 }
 
 std::size_t PooledKvCache::kv_bytes() const {
@@ -352,7 +358,7 @@ void PooledKvCache::write(int layer, int n, const float* k, const float* v) {
     }
     if (relative) {  // keys=block: each key turned by its offset in its block (rows 0..T-1 of the table)
       const int T = pool_->block_tokens(), done = size_ - base_;
-      const float* table = rope_table(T);
+      const float* table = rope_table(layer, T);
       for (int t = 0; t < n; ++t)
         kernels::tile_kernels().rope(rk + static_cast<std::ptrdiff_t>(t) * kvd, s.n_kv_heads, D,
                                      table + static_cast<std::ptrdiff_t>((done + t) % T) * 2 * D, 0, rope_.style);
@@ -450,7 +456,7 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   in.layer = layer;
   if (format_.key_rope != KeyRope::post) {
     const int end = *std::max_element(step_->view_pos.begin(), step_->view_pos.end()) + pool_->block_tokens();
-    set_key_rope(in, step_->view_pos.data(), rope_table(end), rope_table(end, true));
+    set_key_rope(in, step_->view_pos.data(), rope_table(layer, end), rope_table(layer, end, true));
   }
   if (!attend_work_) attend_work_ = std::make_unique<kv::BlockAttend>();
   attend_work_->prepare(in, path_);
@@ -481,8 +487,8 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
     for (std::size_t si = 0; si + 1 < segs; ++si)
       for (const BlockRef b : segments_[si].blocks) end = std::max(end, pool_->info(b).key_position + T);
     for (const int p : step_->view_pos) end = std::max(end, p + T);
-    table = rope_table(end);
-    inverse = rope_table(end, true);
+    table = rope_table(layer, end);
+    inverse = rope_table(layer, end, true);
   }
   int seg_start = 0;  // the context's token index of the segment's first token
   for (std::size_t si = 0; si < segs; ++si) {
@@ -516,11 +522,11 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
     }
     const float* qs = q;
     if (seg.position_offset != 0) {
-      QKV_CHECK(static_cast<int>(rope_.inv_freq.size()) * 2 == D);  // set by splice() or set_rope()
+      QKV_CHECK(static_cast<int>(rope_.freq(layer).size()) * 2 == D);  // set by splice() or set_rope()
       part.q.assign(q, q + static_cast<std::ptrdiff_t>(n) * qd);
       for (int t = 0; t < n; ++t)
         kernels::rope(&part.q[static_cast<std::size_t>(t) * qd], s.n_heads, D, static_cast<float>(-seg.position_offset),
-                      rope_.inv_freq.data(), rope_.style);
+                      rope_.freq(layer).data(), rope_.style);
       qs = part.q.data();
     }
     kv::AttendInput in;

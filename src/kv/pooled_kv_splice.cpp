@@ -41,7 +41,8 @@ void PooledKvCache::splice(const PooledKvCache& src, int begin, int end, const K
   if (size_ + n > capacity_)
     fail(ErrorCode::context_full, "KV cache full: splicing {} tokens after {} exceeds its capacity of {}", n, size_,
          capacity_);
-  if (static_cast<int>(rope.inv_freq.size()) * 2 != shape().head_dim)
+  if (static_cast<int>(rope.inv_freq.size()) * 2 != shape().head_dim ||
+      (rope.layered() && static_cast<int>(rope.local_inv_freq.size()) * 2 != shape().head_dim))
     fail(ErrorCode::invalid_argument, "splice: {} RoPE frequencies for heads of {}", rope.inv_freq.size(),
          shape().head_dim);
   const int T = pool_->block_tokens();
@@ -92,7 +93,7 @@ void PooledKvCache::read_rows(int layer, int kind, int kv_head, int first, int c
       // a block's rows by its first position, the rest being stored (keys=block).
       const bool pre = (info.flags & kBlockPreRopeK) != 0, relative = (info.flags & kBlockRelativeK) != 0;
       if (kind == 0 && (pre || relative)) {
-        const float* table = rope_table(info.key_position + T);
+        const float* table = rope_table(layer, info.key_position + T);
         kernels::tile_kernels().rope(&tile[static_cast<std::size_t>(r) * D], take, D,
                                      table + static_cast<std::ptrdiff_t>(info.key_position + (pre ? r : 0)) * 2 * D,
                                      pre ? 2 * D : 0, rope_.style);

@@ -58,9 +58,9 @@ std::vector<float> write_pass(KvCache& cache, const Stream& st, int first, int n
     for (int t = 0; t < n; ++t) {
       if (!cache.keys_before_rope())
         kernels::rope(&k[static_cast<std::size_t>(t) * s.kv_dim()], s.n_kv_heads, s.head_dim, static_cast<float>(pos0 + t),
-                      rope.inv_freq.data(), rope.style);
+                      rope.freq(l).data(), rope.style);
       kernels::rope(&q[static_cast<std::size_t>(t) * s.q_dim()], s.n_heads, s.head_dim, static_cast<float>(pos0 + t),
-                    rope.inv_freq.data(), rope.style);
+                    rope.freq(l).data(), rope.style);
     }
     p.k.push_back(std::move(k));
     p.v.push_back(std::move(v));
@@ -91,7 +91,7 @@ std::vector<float> reference(const PooledKvCache& c, const std::vector<std::vect
         float* k = &kr[static_cast<std::size_t>(i) * D];
         if (c.format().rotate_k) kv::unrotate(k, D);
         if (c.format().rotate_v) kv::unrotate(&vr[static_cast<std::size_t>(i) * D], D);
-        if (offset_of(i) != 0) kernels::rope(k, 1, D, static_cast<float>(offset_of(i)), rope.inv_freq.data(), rope.style);
+        if (offset_of(i) != 0) kernels::rope(k, 1, D, static_cast<float>(offset_of(i)), rope.freq(l).data(), rope.style);
       }
       for (int t = 0; t < n; ++t)
         for (int g = 0; g < G; ++g) {
@@ -205,7 +205,10 @@ TEST(KvSplice, SegmentAttentionEqualsFreshComputationAtNewPositions) {
 
 // A sliding window over a plain context and over a spliced one, whose window
 // start falls before, inside and after the spliced segment as the tail grows;
-// 4-token blocks and a 90-token context exercise the decode partitions.
+// 4-token blocks and a 90-token context exercise the decode partitions. The
+// two-layer shape rotates its layers with different frequencies (gemma3's
+// local and global RoPE), so keys=pre|block and the segment's query rotation
+// must take each layer's own.
 TEST(KvWindow, WindowedAttentionEqualsFreshComputation) {
   ThreadPool threads(2);
   const SpliceCase cases[] = {{{2, 6, 3, 16}, 8, 45}, {{1, 4, 2, 32}, 4, 90}};
@@ -217,7 +220,12 @@ TEST(KvWindow, WindowedAttentionEqualsFreshComputation) {
             const testing::CodesAttentionScope scope(codes);
             const KvShape& s = cs.shape;
             const KvFormat f = KvFormat::parse(text);
-            const KvRope r = make_rope(s.head_dim, kernels::RopeStyle::neox);
+            KvRope r = make_rope(s.head_dim, kernels::RopeStyle::neox);
+            if (s.n_layers == 2) {
+              r.local_inv_freq = make_rope(s.head_dim, kernels::RopeStyle::neox).inv_freq;
+              for (float& w : r.inv_freq) w *= 0.01f;  // global frequencies a hundredth of the local ones
+              r.local_layers = {1, 0};
+            }
             auto pool = KvPool::create(PoolConfig{s, cs.block_tokens, KvPool::arena_bytes_for(s, cs.block_tokens, f, 256, 4)});
             const Stream prod = make_stream(s, cs.producer_tokens, 21), own = make_stream(s, 60, 22);
             const std::string what = std::string(text) + " window " + std::to_string(window) + " path " +

@@ -86,8 +86,8 @@ TEST_F(PooledEngineTest, F32PoolLogitsMatchTheDenseEngine) {
 
 // tiny-gemma3 (five layers with an 8-token window, then a global one with
 // another RoPE): the pool's windowed attention under the real forward pass
-// equals the dense engine's over 40 tokens, prefill and decode; quantized
-// formats track it; what needs one RoPE for every layer is refused by name.
+// equals the dense engine's over 40 tokens, prefill and decode, also with keys
+// stored before RoPE (each layer's own frequencies when read); int8 tracks it.
 TEST(PooledEngineWindow, Gemma3SlidingWindowLayersOnThePool) {
   const std::string path = testing::temp_dir() + "/tiny-gemma3-pool.gguf";
   SyntheticOptions opt;
@@ -109,12 +109,15 @@ TEST(PooledEngineWindow, Gemma3SlidingWindowLayersOnThePool) {
     const auto l = engine.forward(*dense, ids, true);
     const std::vector<float> want(l.begin(), l.end());
     auto pooled = session("f32");
+    auto pre = session("f32:keys=pre");
     expect_same_logits(want, engine.forward(*pooled, ids, true), isa == kernels::Isa::portable, "gemma3 prefill");
+    expect_same_logits(want, engine.forward(*pre, ids, true), false, "gemma3 prefill, keys=pre", 1e-4f);
     for (TokenId t : {5, 77, 300}) {
       const std::vector<TokenId> one{t};
       const auto a = engine.forward(*dense, one);
       const std::vector<float> av(a.begin(), a.end());
       expect_same_logits(av, engine.forward(*pooled, one), isa == kernels::Isa::portable, "gemma3 decode");
+      expect_same_logits(av, engine.forward(*pre, one), false, "gemma3 decode, keys=pre", 1e-4f);
     }
     auto q8 = session("int8");
     const auto got = engine.forward(*q8, ids, true);
@@ -124,15 +127,9 @@ TEST(PooledEngineWindow, Gemma3SlidingWindowLayersOnThePool) {
       ref += want[i] * want[i];
     }
     EXPECT_LT(std::sqrt(err / ref), 0.02) << "int8 on a windowed model";
-    auto pre = session("int4:keys=pre");
-    try {
-      engine.forward(*pre, ids);
-      FAIL() << "keys=pre on gemma3 should be refused";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::unsupported);
-      EXPECT_NE(std::string(e.what()).find("RoPE"), std::string::npos) << e.what();
-    }
-    EXPECT_THROW((void)engine.rope(), Error);
+    const KvRope rope = engine.rope();
+    EXPECT_EQ(rope.local_layers, (std::vector<std::uint8_t>{1, 1, 1, 1, 1, 0}));
+    EXPECT_NE(rope.local_inv_freq, rope.inv_freq);
   }
 }
 

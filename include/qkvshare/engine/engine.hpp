@@ -99,9 +99,8 @@ class Engine {
   const EngineOptions& options() const noexcept { return options_; }
   ThreadPool& pool() noexcept { return pool_; }
   KvShape kv_shape() const noexcept;
-  // The rotary embedding of the forward pass, for caches that move segments.
-  // Throws Error(unsupported) for a model whose layers rotate differently
-  // (gemma3's local and global RoPE): one KvRope cannot describe it.
+  // The rotary embedding of the forward pass, for caches that move segments
+  // (per layer where the model's layers rotate differently: gemma3).
   KvRope rope() const;
 
   // A session with a dense f32 cache of `capacity` tokens (0: the model's context length).

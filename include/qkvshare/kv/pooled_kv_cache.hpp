@@ -57,6 +57,17 @@ struct KvSegment {
 struct KvRope {
   std::vector<float> inv_freq;  // head_dim / 2 frequencies
   kernels::RopeStyle style = kernels::RopeStyle::interleaved;
+  // Layers that rotate with other frequencies (gemma3's sliding-window
+  // layers): local_layers[l] != 0 selects local_inv_freq. Empty: inv_freq
+  // for every layer.
+  std::vector<float> local_inv_freq;
+  std::vector<std::uint8_t> local_layers;
+
+  const std::vector<float>& freq(int layer) const noexcept {
+    return !local_layers.empty() && local_layers[static_cast<std::size_t>(layer)] != 0 ? local_inv_freq : inv_freq;
+  }
+  bool layered() const noexcept { return !local_layers.empty(); }
+  bool operator==(const KvRope&) const = default;
 };
 
 // How attention reads the blocks: the automatic choice uses the best SIMD
@@ -213,8 +224,9 @@ class PooledKvCache final : public KvCache {
   KvRope rope_;
   // keys=pre: the RoPE rows of every position up to the largest one read
   // (kv/rope_table.hpp, shared by the process's caches); held until the next plan needs more.
-  mutable std::shared_ptr<const kv::RopeTable> rope_table_;
-  const float* rope_table(int end_position, bool inverse = false) const;
+  mutable std::shared_ptr<const kv::RopeTable> rope_table_, rope_table_local_;
+  // The rows of `layer`'s frequencies (KvRope::freq) for positions [0, end_position).
+  const float* rope_table(int layer, int end_position, bool inverse = false) const;
   // keys=pre|block: an attention input's key positions per block and the rows that turn them there.
   void set_key_rope(kv::AttendInput& in, const int* positions, const float* table, const float* inverse) const;
   std::unique_ptr<Step> step_;
