@@ -229,7 +229,7 @@ const std::vector<SyntheticShape>& synthetic_shapes() {
                512, 1.0f),
       // One run of 5 local layers and a global one; an 8-token window and the
       // 4B's linear RoPE scaling (x8) on the global layer, so 16 test tokens cross both.
-      windowed(with_head(make_shape("tiny-gemma3", "gemma3", 6, 256, 4, 2, 512, 512, 256, 1000000.0f, 1e-6f,
+      windowed(with_head(make_shape("tiny-gemma3", "gemma3", 6, 256, 4, 2, 512, 512, 32768, 1000000.0f, 1e-6f,
                                     "llama-bpe"),
                          128),
                8, 8.0f),
