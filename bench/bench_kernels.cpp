@@ -168,13 +168,15 @@ void bm_encode_tile(benchmark::State& state, const std::string& format, int kind
 }
 
 void register_all() {
-  const GgmlType types[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
-                            GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q6_K};
+  const GgmlType types[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0,
+                            GgmlType::Q4_1, GgmlType::Q6_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q5_0};
   // SmolLM2-135M: wq/wo 576x576, w_down 576x1536, w_gate/w_up 1536x576, output 49152x576 (rows x cols).
   const Shape decode_shapes[] = {{"576x576", 576, 576},
                                  {"576x1536", 576, 1536},
                                  {"1536x576", 1536, 576},
-                                 {"49152x576", 49152, 576}};
+                                 {"49152x576", 49152, 576},
+                                 // Llama-3.2-1B's w_gate: 16 MiB in Q8_0, read from DRAM as a decode reads it.
+                                 {"8192x2048", 8192, 2048}};
   std::vector<Isa> isas{best_isa()};
   if (std::getenv("QKVSHARE_BENCH_ALL_ISAS") != nullptr) {
     isas.clear();
@@ -185,7 +187,7 @@ void register_all() {
     for (const Shape& s : decode_shapes)
       for (std::int64_t tokens : {1, 64}) {
         if (tokens > 1 && s.rows > 4096) continue;  // prefill computes the output layer for one token only
-        if ((type == GgmlType::Q6_K) && s.cols % 256 != 0) continue;
+        if (type_traits(type).block_size == 256 && s.cols % 256 != 0) continue;  // k-quants: whole super-blocks
         const std::string base = std::string(tokens == 1 ? "matvec/" : "matmat64/") + std::string(type_name(type)) +
                                  "/" + s.name;
         for (int threads : {1, 2}) {

@@ -161,25 +161,30 @@ inline void store(const GemmArgs& a, const RowTile& rt, std::int64_t r0, std::in
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.ldy + r0, rt.valid, acc[t]);
 }
 
-// The next tile's rows, one cache line ahead of where this tile reads, so
-// that DRAM latency overlaps the work (decode streams every byte once).
-inline void prefetch_next(const GemmArgs& a, const RowTile& rt, std::int64_t b, std::size_t block_bytes) {
-  const std::size_t off = static_cast<std::size_t>(b) * block_bytes;
-  if (b > 0 && off / 64 == (off - block_bytes) / 64) return;  // still in the line fetched before
-  const std::size_t ahead = kRows * a.row_bytes;
-  for (int r = 0; r < kRows; ++r) __builtin_prefetch(rt.row(r) + ahead + off + 64, 0, 3);
+// A tile's 16 rows are contiguous bytes, and so is the next tile's: while
+// block b of this tile is read, the b-th slice of the next tile is asked for,
+// so that the whole next tile is on its way by the time it starts, whatever
+// the row length (short rows left the first lines of every tile to DRAM
+// latency when only in-row lines ahead were fetched).
+inline void prefetch_slice(const GemmArgs& a, const RowTile& rt, std::int64_t b, std::int64_t nb) {
+  const std::size_t tile_bytes = kRows * a.row_bytes;
+  const std::uint8_t* next = rt.base + tile_bytes;
+  const std::uint8_t* end = a.w + static_cast<std::size_t>(a.n_rows) * a.row_bytes;
+  const std::size_t from = tile_bytes * static_cast<std::size_t>(b) / static_cast<std::size_t>(nb) / 64 * 64;
+  const std::size_t to = tile_bytes * static_cast<std::size_t>(b + 1) / static_cast<std::size_t>(nb);
+  for (std::size_t off = from; off < to && next + off < end; off += 64) __builtin_prefetch(next + off, 0, 3);
 }
 
 // Decode: the rows streamed once, each block decoded into registers and used
 // by all T tokens (T > 1: several sessions decoding together).
 template <class F, int T>
-void gemv_rows_tokens(const GemmArgs& a, const RowTile& rt, std::int64_t r0, std::size_t block_bytes) {
+void gemv_rows_tokens(const GemmArgs& a, const RowTile& rt, std::int64_t r0) {
   const std::int64_t nb = a.cols / 32;
   __m512 acc[T];
 #pragma GCC unroll 8
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (std::int64_t b = 0; b < nb; ++b) {
-    prefetch_next(a, rt, b, block_bytes);
+    prefetch_slice(a, rt, b, nb);
     Tile w;
     F::decode(rt, b, w);
     mac<F::kMin, T>(acc, w, a.act, 0, b);
@@ -188,8 +193,8 @@ void gemv_rows_tokens(const GemmArgs& a, const RowTile& rt, std::int64_t r0, std
 }
 
 template <class F, int T>
-void gemv_tokens(const GemmArgs& a, std::size_t block_bytes) {
-  for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) gemv_rows_tokens<F, T>(a, row_tile(a, r0), r0, block_bytes);
+void gemv_tokens(const GemmArgs& a) {
+  for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) gemv_rows_tokens<F, T>(a, row_tile(a, r0), r0);
 }
 
 template <class F, int T>
@@ -223,14 +228,14 @@ template <class F, std::size_t kBlockBytes>
 void gemm_rows(const GemmArgs& a) {
   const std::int64_t nb = a.cols / 32;
   switch (a.n_tokens) {
-    case 1: return gemv_tokens<F, 1>(a, kBlockBytes);
-    case 2: return gemv_tokens<F, 2>(a, kBlockBytes);
-    case 3: return gemv_tokens<F, 3>(a, kBlockBytes);
-    case 4: return gemv_tokens<F, 4>(a, kBlockBytes);
-    case 5: return gemv_tokens<F, 5>(a, kBlockBytes);
-    case 6: return gemv_tokens<F, 6>(a, kBlockBytes);
-    case 7: return gemv_tokens<F, 7>(a, kBlockBytes);
-    case 8: return gemv_tokens<F, 8>(a, kBlockBytes);
+    case 1: return gemv_tokens<F, 1>(a);
+    case 2: return gemv_tokens<F, 2>(a);
+    case 3: return gemv_tokens<F, 3>(a);
+    case 4: return gemv_tokens<F, 4>(a);
+    case 5: return gemv_tokens<F, 5>(a);
+    case 6: return gemv_tokens<F, 6>(a);
+    case 7: return gemv_tokens<F, 7>(a);
+    case 8: return gemv_tokens<F, 8>(a);
     default: break;
   }
   constexpr int kT = 8;
