@@ -298,7 +298,11 @@ void BlockAttend::prepare(const AttendInput& in, AttendPath path) {
   // pq lookup tables are built once per job: one partition per head then.
   bool pq = false;
   for (int b = 0; b < in.n_blocks && !pq && pq_lookup_tables(); ++b) pq = in.k_codecs[b].pq() || in.v_codecs[b].pq();
-  parts_ = in.n <= 4 && !pq ? (in.n_blocks + kPartitionBlocks - 1) / kPartitionBlocks : 1;
+  // Blocks before every query's window are left out of the split, so that a
+  // sliding-window layer's few partitions are not dealt out beside empty ones.
+  first_block_ = in.causal ? std::clamp(in.visible_from, 0, in.key_total()) / in.block_tokens : 0;
+  const int seen_blocks = in.n_blocks - first_block_;
+  parts_ = in.n <= 4 && !pq ? (seen_blocks + kPartitionBlocks - 1) / kPartitionBlocks : 1;
   slots_ = static_cast<std::size_t>(in.n) * static_cast<std::size_t>(s.n_heads);
   if (parts_ > 1) {
     ml_.assign(slots_ * static_cast<std::size_t>(parts_), Partial{});
@@ -333,7 +337,7 @@ void BlockAttend::run(std::size_t job) {
   const int h = static_cast<int>(job / parts / chunks);
   const int t0 = c * kChunkTokens, t1 = std::min(in_.n, t0 + kChunkTokens);
   const bool split = parts_ > 1;
-  const int b0 = split ? p * kPartitionBlocks : 0;
+  const int b0 = split ? first_block_ + p * kPartitionBlocks : 0;
   const int b1 = split ? std::min(in_.n_blocks, b0 + kPartitionBlocks) : in_.n_blocks;
   const std::size_t slot0 = slots_ * static_cast<std::size_t>(p);
   if (!split && in_.out_ml != nullptr) {  // one partition: its pieces are the result

@@ -80,6 +80,7 @@ class BlockAttend final : public AttendWork {
   AttendInput in_;
   const kernels::TileKernels* ops_ = nullptr;  // null: the exact f32 path
   int chunks_ = 0, parts_ = 1;
+  int first_block_ = 0;  // the first block any query sees (a sliding window's start)
   std::size_t slots_ = 0;
   std::vector<Partial> ml_;  // [parts][n][n_heads] softmax pieces of split-K decode
   std::vector<float> po_;    // [parts][n][n_heads][head_dim]

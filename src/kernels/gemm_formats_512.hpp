@@ -1,0 +1,115 @@
+#pragma once
+// Internal: 512-bit formats (gemm_tiles.hpp) of Q4_K and Q5_K for the AVX-512
+// level, one super-block (256 values) per step. Include it only from an
+// AVX-512 unit: everything has internal linkage (kernel_table.hpp says why).
+//
+// gemm_formats_256.hpp's FK45 takes one 32-value sub-block per step and
+// unpacks its 6-bit scale and minimum with scalar code each time, for every
+// row: decode spent more time there than on the bytes (bench_kernels
+// matvec/Q4_K/8192x2048: 9.7 GB/s, where Q6_K reaches 29). Here a row's 8
+// scales and 8 minimums are unpacked once per super-block with 32-bit masks
+// (ggml's arrangement of the 12 bytes) and widened into one vector; each
+// 64-value chunk (sub-blocks 2c and 2c+1: the low and high nibbles of the
+// same 32 bytes) takes its pair of scales from it with one permute.
+//
+// Per 32-bit lane (4 values) the arithmetic is the 256-bit format's:
+//   acc += float(sum u x) * (d * sc) * dx  and  acc += (-dmin * m) * (dx * sum x)
+// with the activations' per-lane dl and xs (ActQ8).
+#include <cstdint>
+#include <cstring>
+
+#include "gemm_tiles.hpp"
+#include "kernel_table.hpp"
+#include "qkvshare/kernels/quant.hpp"  // block layouts only
+#include "simd_intrin.hpp"
+
+namespace qkvshare::kernels::detail::avx512 {
+namespace {
+namespace f512 {
+
+struct W {
+  __m512i q[4];  // chunk c: 64 codes, the 32 of sub-block 2c then the 32 of 2c + 1
+  __m512 dm;     // lanes 0-7: d * sc_j; lanes 8-15: -dmin * m_j
+};
+struct X {
+  const std::int8_t* q;  // the super-block's 256 activation codes
+  const float* dl;       // its 64 lanes' block scales
+  const float* xs;       // its 64 lanes' d * sum of the lane's codes
+};
+
+// The 8 scales and 8 minimums of a Q4_K/Q5_K super-block as bytes 0-7 and 8-15
+// (ggml's unpacking of get_scale_min_k4's 6-bit fields, all at once).
+inline __m128i scales_and_mins(const std::uint8_t* scales) {
+  constexpr std::uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  std::uint32_t u[4];
+  std::memcpy(u, scales, 12);
+  u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
+  const std::uint32_t mins_lo = u[1] & kLow6;
+  u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
+  u[2] = mins_lo;
+  u[0] &= kLow6;
+  __m128i v;
+  std::memcpy(&v, u, 16);
+  return v;
+}
+
+// Lanes 0-7 take element 2c of a vector, lanes 8-15 element 2c + 1 (plus 8: the minimums).
+inline __m512i pair_index(int c, int base) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(base + 2 * c)), _mm256_set1_epi32(base + 2 * c + 1),
+                            1);
+}
+
+template <class Block, bool kFive>
+struct FK45 {
+  using Acc = __m512;
+  using W = f512::W;
+  using X = f512::X;
+  static __m512 zero() { return _mm512_setzero_ps(); }
+  static float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+  static std::int64_t steps(std::int64_t cols) { return cols / kQK_K; }
+  static bool tail(std::int64_t) { return false; }
+  static X load_x(const GemmArgs& a, std::int64_t t, std::int64_t s) {
+    const std::int64_t off = t * a.cols + kQK_K * s;
+    return X{a.act.qs + off, a.act.dl + off / 4, a.act.xs + off / 4};
+  }
+  static X load_x_tail(const GemmArgs& a, std::int64_t t, std::int64_t s) { return load_x(a, t, s); }
+  static W load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const Block* b = reinterpret_cast<const Block*>(row) + s;
+    W w;
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256i h = _mm256_setzero_si256();
+    if constexpr (kFive) h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + 32 * c));
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if constexpr (kFive) {  // bit 2c / 2c + 1 of qh byte l: the 5th bit of value l of those sub-blocks
+        const __m256i one = _mm256_set1_epi8(1);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c + 1), one), 4));
+      }
+      w.q[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scales_and_mins(b->scales)));
+    const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(b->d)), _mm256_set1_ps(-_cvtsh_ss(b->dmin)), 1);
+    w.dm = _mm512_mul_ps(sm, dd);
+    return w;
+  }
+  static W load_w_tail(const std::uint8_t*, std::int64_t, const GemmArgs&) { return W{}; }  // tail() is false
+  static void mac(__m512& acc, const W& w, const X& x) {
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i xq = _mm512_loadu_si512(x.q + 64 * c);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.q[c], xq);
+      const __m512 d = _mm512_permutexvar_ps(pair_index(c, 0), w.dm);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_loadu_ps(x.dl + 16 * c)), acc);
+      const __m512 m = _mm512_permutexvar_ps(pair_index(c, 8), w.dm);
+      acc = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.xs + 16 * c), acc);
+    }
+  }
+};
+using FQ4_K = FK45<BlockQ4_K, false>;
+using FQ5_K = FK45<BlockQ5_K, true>;
+
+}  // namespace f512
+}  // namespace
+}  // namespace qkvshare::kernels::detail::avx512
