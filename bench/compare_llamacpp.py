@@ -118,8 +118,11 @@ def faster_of(runs):
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return None
-    tests = []
-    for t in ok[0]["tests"]:
+    tests, seen = [], set()
+    for t in (u for r in ok for u in r["tests"]):
+        if (t["kind"], t["depth"]) in seen:
+            continue
+        seen.add((t["kind"], t["depth"]))
         same = [u for r in ok for u in r["tests"] if u["kind"] == t["kind"] and u["depth"] == t["depth"]]
         best = max(same, key=lambda u: u["tokens_per_s"]["median"])
         version = next(r["version"] for r in ok if best in r["tests"])
@@ -147,11 +150,21 @@ def summary(samples):
             "max": max(samples), "stdev": statistics.stdev(samples) if len(samples) > 1 else 0.0}
 
 
+def has_depth(llama_bench):
+    """llama-bench learnt -d (decode after a prefilled context) after March 2025: 0.3.8's has none."""
+    out = subprocess.run([llama_bench, "--help"], capture_output=True, text=True)
+    return "--n-depth" in out.stdout + out.stderr
+
+
 def bench_llamacpp(llama_bench, model, a):
-    """pp<n_prompt> at depth 0, tg<n_gen> at each depth; two invocations so pp is not repeated per depth."""
+    """pp<n_prompt> at depth 0, tg<n_gen> at each depth; two invocations so pp is not repeated per depth.
+    A llama-bench without -d runs depth 0 only (its deeper tests are left out of the anchor)."""
     common = ["-m", model, "-t", a.threads, "-r", a.reps, "-o", "json"]
     tests, rss, info = [], 0, {}
-    runs = [["-p", a.n_prompt, "-n", 0, "-d", 0], ["-p", 0, "-n", a.n_gen, "-d", a.depths]]
+    if has_depth(llama_bench):
+        runs = [["-p", a.n_prompt, "-n", 0, "-d", 0], ["-p", 0, "-n", a.n_gen, "-d", a.depths]]
+    else:
+        runs = [["-p", a.n_prompt, "-n", 0], ["-p", 0, "-n", a.n_gen]]
     for extra in runs:
         out, peak = timed([llama_bench] + common + extra, a.llama_env)
         rss = max(rss, peak or 0)

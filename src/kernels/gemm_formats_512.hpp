@@ -7,8 +7,8 @@
 // unpacks its 6-bit scale and minimum with scalar code each time, for every
 // row: decode spent more time there than on the bytes (bench_kernels
 // matvec/Q4_K/8192x2048: 9.7 GB/s, where Q6_K reaches 29). Here a row's 8
-// scales and 8 minimums are unpacked once per super-block with 32-bit masks
-// (ggml's arrangement of the 12 bytes) and widened into one vector; each
+// scales and 8 minimums are unpacked once per super-block (scales_mins_k4)
+// and widened into one vector; each
 // 64-value chunk (sub-blocks 2c and 2c+1: the low and high nibbles of the
 // same 32 bytes) takes its pair of scales from it with one permute.
 //
@@ -20,6 +20,7 @@
 
 #include "gemm_tiles.hpp"
 #include "kernel_table.hpp"
+#include "kquant_scales.hpp"
 #include "qkvshare/kernels/quant.hpp"  // block layouts only
 #include "simd_intrin.hpp"
 
@@ -36,22 +37,6 @@ struct X {
   const float* dl;       // its 64 lanes' block scales
   const float* xs;       // its 64 lanes' d * sum of the lane's codes
 };
-
-// The 8 scales and 8 minimums of a Q4_K/Q5_K super-block as bytes 0-7 and 8-15
-// (ggml's unpacking of get_scale_min_k4's 6-bit fields, all at once).
-inline __m128i scales_and_mins(const std::uint8_t* scales) {
-  constexpr std::uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  std::uint32_t u[4];
-  std::memcpy(u, scales, 12);
-  u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
-  const std::uint32_t mins_lo = u[1] & kLow6;
-  u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
-  u[2] = mins_lo;
-  u[0] &= kLow6;
-  __m128i v;
-  std::memcpy(&v, u, 16);
-  return v;
-}
 
 // Lanes 0-7 take element 2c of a vector, lanes 8-15 element 2c + 1 (plus 8: the minimums).
 inline __m512i pair_index(int c, int base) {
@@ -89,7 +74,9 @@ struct FK45 {
       }
       w.q[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     }
-    const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scales_and_mins(b->scales)));
+    alignas(16) std::uint8_t sm8[16];
+    scales_mins_k4(b->scales, sm8);
+    const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sm8))));
     const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(b->d)), _mm256_set1_ps(-_cvtsh_ss(b->dmin)), 1);
     w.dm = _mm512_mul_ps(sm, dd);
     return w;

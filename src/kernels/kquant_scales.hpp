@@ -20,6 +20,22 @@ inline void scale_min_k4(int j, const std::uint8_t* q, int& sc, int& m) {
   }
 }
 
+// Q4_K / Q5_K: all 8 scales (out[0..7]) and 8 mins (out[8..15]) of a
+// super-block at once, the values scale_min_k4 gives one by one (ggml's
+// arrangement of the 12 bytes with 32-bit masks): what a kernel that takes a
+// whole super-block per step unpacks once.
+inline void scales_mins_k4(const std::uint8_t* q, std::uint8_t out[16]) {
+  constexpr std::uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  std::uint32_t u[4];
+  __builtin_memcpy(u, q, 12);
+  u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
+  const std::uint32_t mins_lo = u[1] & kLow6;
+  u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
+  u[2] = mins_lo;
+  u[0] &= kLow6;
+  __builtin_memcpy(out, u, 16);
+}
+
 // Q3_K: signed scale of group i (of 16, 16 values each): low 4 bits in bytes
 // 0-7 (low nibbles for i < 8, high ones after), high 2 bits in bytes 8-11.
 inline int scale_q3_k(int i, const std::uint8_t* s) {
