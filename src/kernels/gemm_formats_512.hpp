@@ -12,9 +12,11 @@
 // 64-value chunk (sub-blocks 2c and 2c+1: the low and high nibbles of the
 // same 32 bytes) takes its pair of scales from it with one permute.
 //
-// Per 32-bit lane (4 values) the arithmetic is the 256-bit format's:
-//   acc += float(sum u x) * (d * sc) * dx  and  acc += (-dmin * m) * (dx * sum x)
-// with the activations' per-lane dl and xs (ActQ8).
+// Per 32-bit lane (4 values): acc += float(sum u x) * (d * sc) * dx, with the
+// activations' per-lane dl (ActQ8); the minimums' part, (-dmin * m_j) * (dx *
+// sum x) per sub-block j, is added once per super-block from the activations'
+// block sums (ActQ8::s): one FMA where a lane-by-lane sum took four, with
+// their permutes and loads.
 #include <cstdint>
 #include <cstring>
 
@@ -35,13 +37,12 @@ struct W {
 struct X {
   const std::int8_t* q;  // the super-block's 256 activation codes
   const float* dl;       // its 64 lanes' block scales
-  const float* xs;       // its 64 lanes' d * sum of the lane's codes
+  const float* s;        // its 8 blocks' d * sum of the block's codes
 };
 
-// Lanes 0-7 take element 2c of a vector, lanes 8-15 element 2c + 1 (plus 8: the minimums).
-inline __m512i pair_index(int c, int base) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(base + 2 * c)), _mm256_set1_epi32(base + 2 * c + 1),
-                            1);
+// Lanes 0-7 take element 2c of a vector, lanes 8-15 element 2c + 1.
+inline __m512i pair_index(int c) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * c)), _mm256_set1_epi32(2 * c + 1), 1);
 }
 
 template <class Block, bool kFive>
@@ -55,7 +56,7 @@ struct FK45 {
   static bool tail(std::int64_t) { return false; }
   static X load_x(const GemmArgs& a, std::int64_t t, std::int64_t s) {
     const std::int64_t off = t * a.cols + kQK_K * s;
-    return X{a.act.qs + off, a.act.dl + off / 4, a.act.xs + off / 4};
+    return X{a.act.qs + off, a.act.dl + off / 4, a.act.s + off / 32};
   }
   static X load_x_tail(const GemmArgs& a, std::int64_t t, std::int64_t s) { return load_x(a, t, s); }
   static W load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
@@ -87,11 +88,11 @@ struct FK45 {
     for (int c = 0; c < 4; ++c) {
       const __m512i xq = _mm512_loadu_si512(x.q + 64 * c);
       const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.q[c], xq);
-      const __m512 d = _mm512_permutexvar_ps(pair_index(c, 0), w.dm);
+      const __m512 d = _mm512_permutexvar_ps(pair_index(c), w.dm);
       acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_loadu_ps(x.dl + 16 * c)), acc);
-      const __m512 m = _mm512_permutexvar_ps(pair_index(c, 8), w.dm);
-      acc = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.xs + 16 * c), acc);
     }
+    // Lanes 8-15: (-dmin * m_j) * s_j; lanes 0-7 add d * sc_j * 0.
+    acc = _mm512_fmadd_ps(w.dm, _mm512_insertf32x8(_mm512_setzero_ps(), _mm256_loadu_ps(x.s), 1), acc);
   }
 };
 using FQ4_K = FK45<BlockQ4_K, false>;
