@@ -66,6 +66,12 @@ void read_sliding_window(const GgufFile& f, const std::string& a, const ArchTrai
       if (l % arch.swa_pattern == arch.swa_pattern - 1) c.layer_window[static_cast<std::size_t>(l)] = 0;
     c.rope_theta_local = arch.swa_rope_base;
   }
+  // Newer converters write the local base explicitly.
+  if (auto base = f.find_float(a + "rope.freq_base_swa")) {
+    if (!(*base > 1.0 && std::isfinite(*base)))
+      fail(ErrorCode::bad_model_file, "{}: {}rope.freq_base_swa: {} is not a valid RoPE base", f.path(), a, *base);
+    c.rope_theta_local = static_cast<float>(*base);
+  }
   // Gemma 3 27B scales queries by 1/sqrt(d_model / n_heads) rather than by
   // 1/sqrt(head_dim); llama.cpp tells it by its 62 layers. The smaller ones
   // (the on-device sizes) use head_dim, as every other architecture here.

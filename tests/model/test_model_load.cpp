@@ -333,12 +333,14 @@ TEST(GgufModel, RopeScalingSlidingWindowAndSoftCapsOfOtherFiles) {
   ok.extra_f32["llama.rope.scaling.factor"] = 4;
   ok.extra_f32["llama.final_logit_softcapping"] = 30;
   ok.extra_u32["llama.attention.sliding_window"] = 8;  // a Mistral-style window: every layer
+  ok.extra_f32["llama.rope.freq_base_swa"] = 5000;       // the windowed layers' own base, when written
   const auto m = Model::load(ok.write("scaled.gguf"));
   EXPECT_EQ(m->config().rope_scale, 4.0f);
   EXPECT_EQ(m->config().rope_scale_local, 4.0f);
   EXPECT_EQ(m->config().final_softcap, 30.0f);
   EXPECT_EQ(m->config().layer_window, (std::vector<int>{8, 8}));
-  EXPECT_FALSE(m->config().layered_rope());
+  EXPECT_EQ(m->config().rope_theta_local, 5000.0f);
+  EXPECT_FALSE(m->config().layered_rope());  // every layer windowed: one RoPE
 }
 
 }  // namespace

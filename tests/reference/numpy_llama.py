@@ -367,6 +367,8 @@ def load_gguf(path, dtype=DTYPE) -> Model:
         else:
             cfg.layer_window = (window,) * cfg.n_layers
             cfg.rope_theta_local = cfg.rope_theta
+        if (a + "rope.freq_base_swa") in r.fields:
+            cfg.rope_theta_local = float(_field(r, a + "rope.freq_base_swa"))
     if arch == "gemma3":
         cfg.embed_scale = cfg.post_norms = cfg.gelu = True
     if (a + "final_logit_softcapping") in r.fields:
