@@ -2,12 +2,14 @@
 // header, tensors or shapes are wrong get a clear error naming file and item.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <random>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/engine/engine.hpp"
 #include "qkvshare/kernels/quant.hpp"
 #include "qkvshare/model/gguf.hpp"
 #include "qkvshare/model/model.hpp"
@@ -341,6 +343,28 @@ TEST(GgufModel, RopeScalingSlidingWindowAndSoftCapsOfOtherFiles) {
   EXPECT_EQ(m->config().layer_window, (std::vector<int>{8, 8}));
   EXPECT_EQ(m->config().rope_theta_local, 5000.0f);
   EXPECT_FALSE(m->config().layered_rope());  // every layer windowed: one RoPE
+}
+
+// final_logit_softcapping: the logits of a file that has it are cap * tanh(z / cap)
+// of the same file's without it (the rest of the pass is the same).
+TEST(GgufModel, FinalSoftCapBoundsTheLogits) {
+  TinyGguf plain, capped;
+  plain.matrix_type = capped.matrix_type = GgmlType::F32;
+  capped.extra_f32["llama.final_logit_softcapping"] = 0.5;  // small, so that it bends these logits
+  const auto a = Model::load(plain.write("plain.gguf")), b = Model::load(capped.write("capped.gguf"));
+  Engine ea(*a, EngineOptions{1}), eb(*b, EngineOptions{1});
+  auto sa = ea.new_session(16), sb = eb.new_session(16);
+  const std::vector<TokenId> ids{1, 70, 200, 262};
+  const auto la = ea.forward(*sa, ids, true);
+  const auto lb = eb.forward(*sb, ids, true);
+  ASSERT_EQ(la.size(), lb.size());
+  float widest = 0.0f;
+  for (std::size_t i = 0; i < la.size(); ++i) {
+    widest = std::max(widest, std::abs(la[i]));
+    ASSERT_LE(std::abs(lb[i]), 0.5f);  // tanh reaches 1 in float for large logits
+    EXPECT_NEAR(lb[i], 0.5f * std::tanh(la[i] / 0.5f), 1e-6f) << i;
+  }
+  EXPECT_GT(widest, 0.5f) << "the cap never bent a logit: the test checks nothing";
 }
 
 }  // namespace
