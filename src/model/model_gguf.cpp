@@ -72,12 +72,6 @@ void read_sliding_window(const GgufFile& f, const std::string& a, const ArchTrai
       fail(ErrorCode::bad_model_file, "{}: {}rope.freq_base_swa: {} is not a valid RoPE base", f.path(), a, *base);
     c.rope_theta_local = static_cast<float>(*base);
   }
-  // Gemma 3 27B scales queries by 1/sqrt(d_model / n_heads) rather than by
-  // 1/sqrt(head_dim); llama.cpp tells it by its 62 layers. The smaller ones
-  // (the on-device sizes) use head_dim, as every other architecture here.
-  if (arch.name == "gemma3" && c.n_layers == 62)
-    fail(ErrorCode::unsupported, "{}: Gemma 3 27B (62 layers) scales attention by d_model / n_heads; not supported",
-         f.path());
 }
 
 }  // namespace
@@ -133,6 +127,12 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, MappedFile::Mod
   c.gelu = arch->gelu;
   read_rope_scaling(f, a, c);
   read_sliding_window(f, a, *arch, c);
+  // Gemma 3 27B scales queries by 1/sqrt(d_model / n_heads) rather than by
+  // 1/sqrt(head_dim); llama.cpp tells it by its 62 layers. The smaller ones
+  // (the on-device sizes) use head_dim, as every other architecture here.
+  if (arch->name == "gemma3" && c.n_layers == 62)
+    fail(ErrorCode::unsupported, "{}: Gemma 3 27B (62 layers) scales attention by d_model / n_heads; not supported",
+         path);
   if (auto cap = f.find_float(a + "final_logit_softcapping"); cap && *cap != 0.0) {
     if (!(*cap > 0.0 && std::isfinite(*cap)))
       fail(ErrorCode::bad_model_file, "{}: {}final_logit_softcapping: {} is not a positive number", path, a, *cap);

@@ -359,7 +359,7 @@ def load_gguf(path, dtype=DTYPE) -> Model:
         cfg.rope_scale = cfg.rope_scale_local = float(_field(r, a + "rope.scaling.factor"))
     elif scaling != "none":
         raise NotImplementedError(f"rope scaling {scaling!r}")
-    window = int(_field(r, a + "attention.sliding_window", 0)) if (a + "attention.sliding_window") in r.fields else 0
+    window = int(_field(r, a + "attention.sliding_window", 0))
     if window > 0:
         if arch == "gemma3":  # five local layers, then a global one
             cfg.layer_window = tuple(0 if i % 6 == 5 else window for i in range(cfg.n_layers))
