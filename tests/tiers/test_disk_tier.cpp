@@ -114,9 +114,13 @@ TEST_F(DiskTierTest, RestoringATamperedOrForeignFileFailsAndLeavesThePoolAsItWas
   disk.spill(*pool_, d, "B", "ctx");
   const std::uint32_t before = blocks_used();
   {
+    // Flip bits of a byte (writing a fixed value left the file as it was when the random
+    // ciphertext already held it: a 1-in-256 flake).
     std::fstream f(disk.path_of("ctx"), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-100, std::ios::end);
+    const int byte = f.get();
     f.seekp(-100, std::ios::end);
-    f.put('\x55');
+    f.put(static_cast<char>(byte ^ 0x55));
   }
   try {
     disk.restore(*pool_, "ctx", "A", &fp_);
