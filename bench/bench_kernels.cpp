@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "qkvshare/core/thread_pool.hpp"
-#include "qkvshare/kernels/attention.hpp"
 #include "qkvshare/kernels/isa.hpp"
 #include "qkvshare/kernels/matmul.hpp"
 #include "qkvshare/kernels/ops.hpp"
@@ -118,19 +117,6 @@ void bm_baseline(benchmark::State& st, GgmlType type, std::int64_t rows, std::in
   set_counters(st, m, tokens);
 }
 
-void bm_attention(benchmark::State& st, int n_keys) {
-  const int hd = 64;
-  const std::int64_t stride = 192;  // SmolLM2: 3 KV heads of 64
-  const auto kv = activations(stride * n_keys);
-  const auto q = activations(hd);
-  std::vector<float> scores(static_cast<std::size_t>(n_keys)), out(hd);
-  for (auto _ : st) {
-    attend_head_f32(q.data(), kv.data(), kv.data() + 64, stride, n_keys, hd, 0.125f, scores.data(), out.data());
-    benchmark::DoNotOptimize(out.data());
-  }
-  st.counters["keys"] = benchmark::Counter(static_cast<double>(st.iterations()) * n_keys, benchmark::Counter::kIsRate);
-}
-
 void bm_parallel_for(benchmark::State& st) {
   std::vector<int> sink(64);
   for (auto _ : st) {
@@ -210,9 +196,6 @@ void register_all() {
         benchmark::RegisterBenchmark((std::string("encode_tile/") + format + (kind ? "/V/" : "/K/") + std::string(isa_name(isa))).c_str(),
                                      bm_encode_tile, std::string(format), kind, isa)
             ->Unit(benchmark::kMicrosecond);
-  for (int n : {256, 2048})
-    benchmark::RegisterBenchmark(("attend_head_f32/hd64/keys:" + std::to_string(n)).c_str(), bm_attention, n)
-        ->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("parallel_for/threads:2/empty", bm_parallel_for)->UseRealTime();
 }
 

@@ -63,14 +63,13 @@ void run_calibrate(const CalibrateArgs& a) {
     for (int l = 0; l < shape.n_layers; ++l)
       for (int t = 0; t < n; ++t) {
         const std::size_t at = static_cast<std::size_t>(l) * per_layer + static_cast<std::size_t>(done + t) * kvd;
-        std::copy(cache.keys(l, t), cache.keys(l, t) + kvd, keys.begin() + static_cast<std::ptrdiff_t>(at));
+        cache.read_row(l, t, &keys[at], &values[at]);
         // As the pool stores them: the window's RoPE undone (keys=pre), or all of it but the
         // part within a block of --block-tokens (keys=block); exact rotations, to rounding.
         const int undo = h.keys == KeyRope::pre ? t : h.keys == KeyRope::block ? t - t % a.block_tokens : 0;
         if (undo != 0)
           kernels::rope(&keys[at], shape.n_kv_heads, shape.head_dim, -static_cast<float>(undo), rope.freq(l).data(),
                         rope.style);
-        std::copy(cache.values(l, t), cache.values(l, t) + kvd, values.begin() + static_cast<std::ptrdiff_t>(at));
       }
     done += n;
     std::fprintf(stderr, "calibrate: %d / %d tokens through the model\n", done, a.tokens);

@@ -22,7 +22,7 @@ namespace {
     .gemm_q6_k = detail::ns::gemm_q6_k, .gemm_q5_0 = detail::ns::gemm_q5_0, .gemm_q5_1 = detail::ns::gemm_q5_1,    \
     .gemm_q2_k = detail::ns::gemm_q2_k, .gemm_q3_k = detail::ns::gemm_q3_k, .gemm_q4_k = detail::ns::gemm_q4_k,    \
     .gemm_q5_k = detail::ns::gemm_q5_k, .gemm_iq4_nl = detail::ns::gemm_iq4_nl,                                    \
-    .gemm_iq4_xs = detail::ns::gemm_iq4_xs, .quantize_act = detail::ns::quantize_act, .attend = detail::ns::attend,     \
+    .gemm_iq4_xs = detail::ns::gemm_iq4_xs, .quantize_act = detail::ns::quantize_act,                              \
     .silu_mul = detail::ns::silu_mul, .gelu_mul = detail::ns::gelu_mul,                                            \
     .tiles = {detail::ns::tile_decode, detail::ns::tile_scores, detail::ns::tile_weighted_sum,                     \
               detail::ns::tile_exp_sum, detail::ns::tile_query_codes, detail::ns::tile_code_scores,               \

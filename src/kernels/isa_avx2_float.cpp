@@ -68,41 +68,6 @@ struct FFloat {
 // The one vector exp (vec_math.hpp).
 inline __m256 exp_ps(__m256 x) { return vexp<Vec>(x); }
 
-// In place, as kernels::softmax (every entry -inf gives the uniform distribution).
-void softmax_ps(float* x, int n) {
-  float max = -__builtin_inff();
-  for (int i = 0; i < n; ++i) max = x[i] > max ? x[i] : max;
-  if (max == -__builtin_inff()) {
-    for (int i = 0; i < n; ++i) x[i] = 1.0f / static_cast<float>(n);
-    return;
-  }
-  __m256 sum = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(max)));
-    sum = _mm256_add_ps(sum, e);
-    _mm256_storeu_ps(x + i, e);
-  }
-  float total = hsum(sum);
-  if (i < n) {
-    float buf[8];
-    _mm256_storeu_ps(buf, exp_ps(_mm256_sub_ps(load_partial(x + i, n - i), _mm256_set1_ps(max))));
-    for (int j = 0; j < n - i; ++j) {
-      x[i + j] = buf[j];
-      total += buf[j];
-    }
-  }
-  const float inv = 1.0f / total;
-  for (int j = 0; j < n; ++j) x[j] *= inv;
-}
-
-inline float dot(const float* a, const float* b, int n) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  if (i < n) acc = _mm256_fmadd_ps(load_partial(a + i, n - i), load_partial(b + i, n - i), acc);
-  return hsum(acc);
-}
 
 }  // namespace
 
@@ -128,22 +93,5 @@ void gemm_f32(const GemmArgs& a) { gemm_tiled<FFloat<Kind::f32>, 4, 2>(a); }
 void gemm_f16(const GemmArgs& a) { gemm_tiled<FFloat<Kind::f16>, 4, 2>(a); }
 void gemm_bf16(const GemmArgs& a) { gemm_tiled<FFloat<Kind::bf16>, 4, 2>(a); }
 
-void attend(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys, int head_dim,
-            float scale, float* scores, float* out) {
-  for (int j = 0; j < n_keys; ++j) scores[j] = dot(q, keys + j * stride, head_dim) * scale;
-  softmax_ps(scores, n_keys);
-  int i = 0;
-  for (; i + 8 <= head_dim; i += 8) {
-    __m256 o = _mm256_setzero_ps();
-    for (int j = 0; j < n_keys; ++j)
-      o = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(values + j * stride + i), o);
-    _mm256_storeu_ps(out + i, o);
-  }
-  for (; i < head_dim; ++i) {  // a head size that is not a multiple of 8
-    float o = 0.0f;
-    for (int j = 0; j < n_keys; ++j) o += scores[j] * values[j * stride + i];
-    out[i] = o;
-  }
-}
 
 }  // namespace qkvshare::kernels::detail::avx2

@@ -37,11 +37,6 @@ void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const 
   portable_table().quantize_act(x, n, bias_mult, out);
 }
 
-void attend(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys, int head_dim,
-            float scale, float* scores, float* out) {
-  portable_table().attend(q, keys, values, stride, n_keys, head_dim, scale, scores, out);
-}
-
 void gelu_mul(float* gate, const float* up, std::int64_t n) { gelu_mul_rows<Vec>(gate, up, n); }
 
 void silu_mul(float* gate, const float* up, std::int64_t n) {

@@ -29,10 +29,6 @@ void gemm_iq4_xs(const GemmArgs& a) { portable::gemm_iq4_xs(a); }
 void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out) {
   neon::quantize_act(x, n, bias_mult, out);
 }
-void attend(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys, int head_dim,
-            float scale, float* scores, float* out) {
-  neon::attend(q, keys, values, stride, n_keys, head_dim, scale, scores, out);
-}
 void silu_mul(float* gate, const float* up, std::int64_t n) { neon::silu_mul(gate, up, n); }
 void gelu_mul(float* gate, const float* up, std::int64_t n) { neon::gelu_mul(gate, up, n); }
 void tile_decode(const TileCodes& t, const std::byte* tile, int n_rows, float* out) { neon::tile_decode(t, tile, n_rows, out); }

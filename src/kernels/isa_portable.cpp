@@ -9,7 +9,6 @@
 
 #include "kernel_table.hpp"
 #include "qkvshare/core/half.hpp"
-#include "qkvshare/kernels/attention.hpp"
 #include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kernels/ops.hpp"
 #include "qkvshare/kernels/quant.hpp"
@@ -173,7 +172,6 @@ constexpr KernelTable kPortable{
     .gemm_iq4_nl = portable::gemm_iq4_nl,
     .gemm_iq4_xs = portable::gemm_iq4_xs,
     .quantize_act = quantize_act,
-    .attend = attend_head_f32_ref,
     .silu_mul = silu_mul_ref,
     .gelu_mul = gelu_mul_ref,
     .tiles = {decode_tile_ref, scores_ref, weighted_sum_ref, exp_sum_ref, query_codes_ref, code_scores_ref, code_sum_ref,

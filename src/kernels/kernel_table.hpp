@@ -67,10 +67,6 @@ struct ActQ8Out {
 };
 using QuantizeActFn = void (*)(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out);
 
-// out = softmax(q . k_j * scale) . v_j over j < n_keys (see attention.hpp).
-using AttendFn = void (*)(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys,
-                          int head_dim, float scale, float* scores, float* out);
-
 // gate = silu(gate) * up (see ops.hpp).
 using SiluMulFn = void (*)(float* gate, const float* up, std::int64_t n);
 // gate = gelu(gate) * up (see ops.hpp).
@@ -93,7 +89,6 @@ struct KernelTable {
   GemmFn gemm_iq4_nl = nullptr;
   GemmFn gemm_iq4_xs = nullptr;
   QuantizeActFn quantize_act = nullptr;
-  AttendFn attend = nullptr;
   SiluMulFn silu_mul = nullptr;
   GeluMulFn gelu_mul = nullptr;
   TileKernels tiles;  // KV tile kernels (kv_tiles.hpp)
@@ -131,8 +126,6 @@ const KernelTable& portable_table() noexcept;
   void gemm_q6_k(const GemmArgs& a);                                                                         \
   QKVSHARE_DECLARE_MORE_GEMMS                                                                                \
   void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out);           \
-  void attend(const float* q, const float* keys, const float* values, std::int64_t stride, int n_keys,       \
-              int head_dim, float scale, float* scores, float* out);                                        \
   void silu_mul(float* gate, const float* up, std::int64_t n);                                               \
   void gelu_mul(float* gate, const float* up, std::int64_t n);                                               \
   void tile_decode(const TileCodes& t, const std::byte* tile, int n_rows, float* out);                       \

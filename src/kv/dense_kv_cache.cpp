@@ -1,82 +1,91 @@
 #include "qkvshare/kv/dense_kv_cache.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
+#include "kv_attention.hpp"
 #include "qkvshare/core/error.hpp"
-#include "qkvshare/kernels/attention.hpp"
 
 namespace qkvshare {
 
-DenseKvCache::DenseKvCache(const KvShape& shape, int capacity) : shape_(shape), capacity_(capacity) {
+DenseKvCache::DenseKvCache(const KvShape& shape, int capacity, int block_tokens)
+    : shape_(shape), capacity_(capacity), block_tokens_(block_tokens) {
   if (capacity <= 0) fail(ErrorCode::invalid_argument, "KV cache capacity must be positive, got {}", capacity);
-  const std::size_t n = static_cast<std::size_t>(shape.n_layers) * static_cast<std::size_t>(capacity) *
+  if (block_tokens <= 0)
+    fail(ErrorCode::invalid_argument, "KV cache tile size must be positive, got {}", block_tokens);
+  rows_ = (capacity + block_tokens - 1) / block_tokens * block_tokens;
+  const std::size_t n = static_cast<std::size_t>(shape.n_layers) * static_cast<std::size_t>(rows_) *
                         static_cast<std::size_t>(shape.kv_dim());
   k_.resize(n);
   v_.resize(n);
 }
 
-float* DenseKvCache::k_at(int layer, int token) {
-  return k_.data() + (static_cast<std::size_t>(layer) * static_cast<std::size_t>(capacity_) +
-                      static_cast<std::size_t>(token)) * static_cast<std::size_t>(shape_.kv_dim());
-}
-float* DenseKvCache::v_at(int layer, int token) {
-  return v_.data() + (static_cast<std::size_t>(layer) * static_cast<std::size_t>(capacity_) +
-                      static_cast<std::size_t>(token)) * static_cast<std::size_t>(shape_.kv_dim());
-}
-const float* DenseKvCache::keys(int layer, int token) const { return const_cast<DenseKvCache*>(this)->k_at(layer, token); }
-const float* DenseKvCache::values(int layer, int token) const {
-  return const_cast<DenseKvCache*>(this)->v_at(layer, token);
+DenseKvCache::~DenseKvCache() = default;
+
+std::size_t DenseKvCache::offset(int layer, int head, int token) const noexcept {
+  const auto rows = static_cast<std::size_t>(rows_);
+  return ((static_cast<std::size_t>(layer) * static_cast<std::size_t>(shape_.n_kv_heads) +
+           static_cast<std::size_t>(head)) * rows + static_cast<std::size_t>(token)) *
+         static_cast<std::size_t>(shape_.head_dim);
 }
 
 void DenseKvCache::write(int layer, int n, const float* k, const float* v) {
   QKV_CHECK(layer >= 0 && layer < shape_.n_layers && n >= 0);
   if (size_ + n > capacity_)
     fail(ErrorCode::context_full, "KV cache full: {} + {} tokens exceed its capacity of {}", size_, n, capacity_);
-  const std::size_t bytes = static_cast<std::size_t>(n) * static_cast<std::size_t>(shape_.kv_dim()) * sizeof(float);
-  std::memcpy(k_at(layer, size_), k, bytes);
-  std::memcpy(v_at(layer, size_), v, bytes);
+  const int D = shape_.head_dim, kvd = shape_.kv_dim();
+  const std::size_t row_bytes = sizeof(float) * static_cast<std::size_t>(D);
+  for (int h = 0; h < shape_.n_kv_heads; ++h) {
+    float* kd = &k_[offset(layer, h, size_)];
+    float* vd = &v_[offset(layer, h, size_)];
+    for (int t = 0; t < n; ++t) {
+      const std::size_t src = static_cast<std::size_t>(t) * kvd + static_cast<std::size_t>(h) * D;
+      std::memcpy(kd + static_cast<std::size_t>(t) * D, k + src, row_bytes);
+      std::memcpy(vd + static_cast<std::size_t>(t) * D, v + src, row_bytes);
+    }
+  }
+}
+
+void DenseKvCache::read_row(int layer, int token, float* k, float* v) const {
+  QKV_CHECK(layer >= 0 && layer < shape_.n_layers && token >= 0 && token < size_);
+  const int D = shape_.head_dim;
+  for (int h = 0; h < shape_.n_kv_heads; ++h) {
+    std::memcpy(k + static_cast<std::size_t>(h) * D, &k_[offset(layer, h, token)], sizeof(float) * D);
+    std::memcpy(v + static_cast<std::size_t>(h) * D, &v_[offset(layer, h, token)], sizeof(float) * D);
+  }
 }
 
 AttendWork& DenseKvCache::plan_attend(int layer, int n, const float* q, float* out, int window) {
   QKV_CHECK(layer >= 0 && layer < shape_.n_layers && n > 0 && size_ + n <= capacity_ && window >= 0);
-  work_.window = window;
-  work_.cache = this;
-  work_.layer = layer;
-  work_.n = n;
-  work_.q = q;
-  work_.out = out;
-  return work_;
-}
-
-std::size_t DenseKvCache::Work::jobs() const noexcept {
-  return static_cast<std::size_t>(n) * static_cast<std::size_t>(cache->shape_.n_heads);
-}
-
-double DenseKvCache::Work::job_cost() const noexcept {
-  const double keys = cache->size_ + 0.5 * n + 1.0;
-  return (window > 0 ? std::min(keys, static_cast<double>(window)) : keys) * cache->shape_.head_dim;
-}
-
-void DenseKvCache::Work::run(std::size_t job) {
-  const KvShape& s = cache->shape_;
-  const int hd = s.head_dim;
-  const int group = s.n_heads / s.n_kv_heads;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const std::int64_t stride = s.kv_dim();
-  const float* k0 = cache->keys(layer, 0);
-  const float* v0 = cache->values(layer, 0);
-  const int t = static_cast<int>(job / static_cast<std::size_t>(s.n_heads));
-  const int h = static_cast<int>(job % static_cast<std::size_t>(s.n_heads));
-  const int kvh = h / group;
-  const int end = cache->size_ + t + 1, first = window > 0 ? std::max(0, end - window) : 0;
-  thread_local std::vector<float> scores;
-  scores.resize(static_cast<std::size_t>(end - first));
-  const std::int64_t qoff = static_cast<std::int64_t>(t) * s.q_dim() + static_cast<std::int64_t>(h) * hd;
-  const std::int64_t skip = static_cast<std::int64_t>(first) * stride;
-  kernels::attend_head_f32(q + qoff, k0 + skip + kvh * hd, v0 + skip + kvh * hd, stride, end - first, hd, scale,
-                           scores.data(), out + qoff);
+  const int T = block_tokens_, H = shape_.n_kv_heads;
+  const int blocks = (size_ + n + T - 1) / T;
+  tiles_.resize(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(H) * 2);
+  const std::size_t half = tiles_.size() / 2;
+  for (int b = 0; b < blocks; ++b)
+    for (int h = 0; h < H; ++h) {
+      const std::size_t i = static_cast<std::size_t>(b) * H + h;
+      tiles_[i] = reinterpret_cast<const std::byte*>(&k_[offset(layer, h, b * T)]);
+      tiles_[half + i] = reinterpret_cast<const std::byte*>(&v_[offset(layer, h, b * T)]);
+    }
+  codecs_.assign(static_cast<std::size_t>(blocks), KvCodec::f32());
+  kv::AttendInput in;
+  in.shape = shape_;
+  in.block_tokens = T;
+  in.n_blocks = blocks;
+  in.first_pos = size_;
+  if (window > 0) in.visible_from = size_ + 1 - window;
+  in.n = n;
+  in.q = q;
+  in.out = out;
+  in.k_tiles = tiles_.data();
+  in.v_tiles = tiles_.data() + half;
+  in.k_codecs = codecs_.data();
+  in.v_codecs = codecs_.data();
+  in.layer = layer;
+  if (!work_) work_ = std::make_unique<kv::BlockAttend>();
+  // The tile kernels need head_dim % 8 == 0 (tile_layout); any other size takes the exact per-query path.
+  work_->prepare(in, shape_.head_dim % 8 == 0 ? AttendPath::automatic : AttendPath::exact);
+  return *work_;
 }
 
 void DenseKvCache::commit(int n) {

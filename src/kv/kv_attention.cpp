@@ -24,10 +24,9 @@ constexpr int kPartitionBlocks = 16;  // keys per job in decode (split-K), merge
 
 using Ops = kernels::TileKernels;
 
-// The f32 reference: the calls of kernels::attend_head_f32_ref in the same
-// order, so an f32 pool gives DenseKvCache's bits under the portable kernels
-// (the SIMD ISAs' attend kernels need contiguous keys; see the engine test).
-// One job: query token t, query head h.
+// The f32 reference (AttendPath::exact): one query at a time, the scalar
+// dot, softmax and axpy of kernels::attend_head_f32_ref over the rows in
+// order. One job: query token t, query head h.
 void attend_exact_job(const AttendInput& in, std::size_t job) {
   const KvShape& s = in.shape;
   const int D = s.head_dim, T = in.block_tokens, group = s.n_heads / s.n_kv_heads;
@@ -283,7 +282,7 @@ void BlockAttend::prepare(const AttendInput& in, AttendPath path) {
   for (int b = 0; b < in.n_blocks; ++b)
     all_f32 = all_f32 && in.k_codecs[b].type == KvType::f32 && in.v_codecs[b].type == KvType::f32;
   const bool direct = all_f32 && !in.rotate_k && !in.rotate_v && !in.k_positions && plain;
-  if (path == AttendPath::exact || (path == AttendPath::automatic && direct)) {
+  if (path == AttendPath::exact) {
     QKV_CHECK(direct);
     ops_ = nullptr;
     return;

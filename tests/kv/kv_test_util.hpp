@@ -1,6 +1,9 @@
 #pragma once
 // Drives a KvCache the way the forward pass does (write, attend per layer,
 // then commit) with synthetic rows, so pool behaviour is tested without a model.
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -55,6 +58,14 @@ inline std::vector<float> run_pass(KvCache& cache, const Pass& p, int n, ThreadP
   }
   cache.commit(n);
   return all;
+}
+
+// Largest |a[i] - b[i]|; infinity when the sizes differ.
+inline float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return std::numeric_limits<float>::infinity();
+  float m = 0.0f;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
 }
 
 // Attention on codes on or off (kv::set_codes_attention) for a scope.

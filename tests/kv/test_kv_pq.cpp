@@ -354,11 +354,12 @@ TEST(KvPq, RealModelTracksF32CloserWithMoreBits) {
   Session calib(std::make_unique<DenseKvCache>(shape, n));
   engine.forward(calib, std::span<const TokenId>(all.data() + 400, n));
   const auto& dense = static_cast<const DenseKvCache&>(calib.cache());
-  std::vector<float> keys, values;
+  const auto kvd = static_cast<std::size_t>(shape.kv_dim());
+  std::vector<float> keys(static_cast<std::size_t>(shape.n_layers) * n * kvd), values(keys.size());
   for (int l = 0; l < shape.n_layers; ++l)
     for (int t = 0; t < n; ++t) {
-      keys.insert(keys.end(), dense.keys(l, t), dense.keys(l, t) + shape.kv_dim());
-      values.insert(values.end(), dense.values(l, t), dense.values(l, t) + shape.kv_dim());
+      const std::size_t at = (static_cast<std::size_t>(l) * n + static_cast<std::size_t>(t)) * kvd;
+      dense.read_row(l, t, &keys[at], &values[at]);
     }
   const std::span<const TokenId> scored(all.data(), 300);
   const auto logits_of = [&](Session& s) {

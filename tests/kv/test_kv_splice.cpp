@@ -18,6 +18,8 @@
 namespace qkvshare {
 namespace {
 
+using testing::max_abs_diff;
+
 const char* const kSpliceFormats[] = {"f32", "f16", "int8", "int8:kaxis=token", "k8v4", "int4", "int3", "int2",
                                 "int2:window=20:sink=3", "int4:rot=kv", "int3:rot=k", "k4v2:vgroup=8",
                                 "f32:keys=pre", "int4:keys=pre", "int2:window=20:sink=3:keys=pre:rot=v",
@@ -116,13 +118,6 @@ std::vector<float> reference(const PooledKvCache& c, const std::vector<std::vect
     all.insert(all.end(), out.begin(), out.end());
   }
   return all;
-}
-
-float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  float m = 0.0f;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
-  return m;
 }
 
 struct SpliceCase {

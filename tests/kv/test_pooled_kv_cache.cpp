@@ -14,17 +14,12 @@ namespace qkvshare {
 namespace {
 
 using testing::random_pass;
+using testing::max_abs_diff;
 using testing::run_pass;
 
 const char* const kAllFormats[] = {"f32", "f16", "int8", "int8:kaxis=token", "k8v4", "int4", "int3", "int2",
                                    "int2:window=20:sink=3", "int4:rot=kv", "int3:rot=k", "k4v2:vgroup=8",
                                    "int4:kaxis=token:kgroup=8:window=9"};
-
-float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  float m = 0.0f;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
-  return m;
-}
 
 double rel_rms(const std::vector<float>& a, const std::vector<float>& ref) {
   double e = 0.0, r = 0.0;
@@ -83,38 +78,42 @@ TEST(PooledKvCache, SimdAttentionMatchesScalarOnEveryFormat) {
       }
 }
 
+// Both run the block attention over f32 tiles of 16 rows, on every ISA.
 TEST(PooledKvCache, F32PoolIsBitIdenticalToDenseCache) {
-  testing::IsaGuard guard;  // the dense cache's reference kernels (see test_pooled_engine.cpp)
-  kernels::set_active_isa(kernels::Isa::portable);
-  ThreadPool threads(2);
-  const KvShape s{3, 8, 4, 8};
-  auto pool = KvPool::create(PoolConfig{s, 16, 1 << 22});
-  PooledKvCache pooled(pool, KvFormat::parse("f32"), 300);
-  DenseKvCache dense(s, 300);
-  unsigned seed = 9;
-  for (int n : {5, 16, 40, 1, 1, 17}) {
-    const auto pass = random_pass(s, n, seed++);
-    const auto a = run_pass(pooled, pass, n, threads);
-    const auto b = run_pass(dense, pass, n, threads);
-    ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "n=" << n;
-  }
-  // And with a sliding window (a gemma3 local layer), narrower and wider than a block.
-  for (const int window : {1, 7, 23}) {
-    PooledKvCache wpooled(pool, KvFormat::parse("f32"), 300);
-    DenseKvCache wdense(s, 300);
+  testing::IsaGuard guard;
+  for (const kernels::Isa isa : {kernels::Isa::portable, kernels::best_isa()}) {
+    kernels::set_active_isa(isa);
+    ThreadPool threads(2);
+    const KvShape s{3, 8, 4, 8};
+    auto pool = KvPool::create(PoolConfig{s, 16, 1 << 22});
+    PooledKvCache pooled(pool, KvFormat::parse("f32"), 300);
+    DenseKvCache dense(s, 300, 16);
+    unsigned seed = 9;
     for (int n : {5, 16, 40, 1, 1, 17}) {
       const auto pass = random_pass(s, n, seed++);
-      const auto a = run_pass(wpooled, pass, n, threads, window);
-      const auto b = run_pass(wdense, pass, n, threads, window);
-      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "window " << window << " n=" << n;
-      if (window != 1) continue;
-      // A query that sees only itself returns its own value row.
-      for (int t = 0; t < n; ++t)
-        for (int h = 0; h < s.n_heads; ++h)
-          for (int c = 0; c < s.head_dim; ++c)
-            ASSERT_EQ(b[(static_cast<std::size_t>(s.n_layers - 1) * n + t) * s.q_dim() + h * s.head_dim + c],
-                      pass.v[static_cast<std::size_t>(s.n_layers - 1)][static_cast<std::size_t>(t) * s.kv_dim() +
-                                                                         (h / (s.n_heads / s.n_kv_heads)) * s.head_dim + c]);
+      const auto a = run_pass(pooled, pass, n, threads);
+      const auto b = run_pass(dense, pass, n, threads);
+      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "n=" << n;
+    }
+    // And with a sliding window (a gemma3 local layer), narrower and wider than a block.
+    for (const int window : {1, 7, 23}) {
+      PooledKvCache wpooled(pool, KvFormat::parse("f32"), 300);
+      DenseKvCache wdense(s, 300, 16);
+      for (int n : {5, 16, 40, 1, 1, 17}) {
+        const auto pass = random_pass(s, n, seed++);
+        const auto a = run_pass(wpooled, pass, n, threads, window);
+        const auto b = run_pass(wdense, pass, n, threads, window);
+        ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "window " << window << " n=" << n;
+        if (window != 1) continue;
+        // A query that sees only itself returns its own value row.
+        const auto last = static_cast<std::size_t>(s.n_layers - 1);
+        const int group = s.n_heads / s.n_kv_heads;
+        for (int t = 0; t < n; ++t)
+          for (int h = 0; h < s.n_heads; ++h)
+            for (int c = 0; c < s.head_dim; ++c)
+              ASSERT_EQ(b[(last * n + t) * s.q_dim() + h * s.head_dim + c],
+                        pass.v[last][static_cast<std::size_t>(t) * s.kv_dim() + (h / group) * s.head_dim + c]);
+      }
     }
   }
 }

@@ -70,9 +70,10 @@ struct KvRope {
   bool operator==(const KvRope&) const = default;
 };
 
-// How attention reads the blocks: the automatic choice uses the best SIMD
-// kernels of the CPU, and for f32 K and V the exact reference sequence of
-// DenseKvCache (so an f32 pool reproduces its logits; see kv_attention.cpp).
+// How attention reads the blocks: the automatic choice uses the active SIMD
+// level's tile kernels (for f32 K and V too, as DenseKvCache does: an f32
+// pool of the same block size gives its bits); exact is the scalar reference,
+// one query at a time, for f32 K and V only (kv_attention.cpp).
 enum class AttendPath { automatic, scalar, avx2, avx512, neon, neon_dot, exact };
 
 // What a forward pass reads of the tokens it computes itself (see above).
