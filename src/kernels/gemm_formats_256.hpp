@@ -1,6 +1,7 @@
 #pragma once
 // Internal: 256-bit formats (gemm_tiles.hpp) of the weight types Q5_0, Q5_1,
-// Q2_K, Q3_K, Q4_K, Q5_K, IQ4_NL and IQ4_XS with 8-bit activations. Included
+// Q2_K, Q3_K, Q4_K, Q5_K, IQ4_NL and IQ4_XS with 8-bit activations (Q4_K and
+// Q5_K: the super-block kind, see FK45). Included
 // by isa_avx2_more.cpp (maddubs + madd) and isa_avx512_more.cpp (vpdpbusd on
 // ymm registers, AVX-512VL + VNNI); everything has internal linkage, so each
 // unit compiles its own copy with its own flags (kernel_table.hpp says why).
@@ -154,20 +155,60 @@ struct FQ5_1 : Base<Kind::min> {
   }
 };
 
-// Step j of a super-block is sub-block j (layouts in quant_ref_more.cpp).
+// Q4_K / Q5_K with the super-block activations (ActQ8::dk): a step is a
+// super-block. Sub-block j's products are summed in 16 bits (maddubs: at most
+// 2 * 31 * 127), times its 6-bit scale in 32 (madd), over the whole
+// super-block before one conversion and one FMA with d * dk; the minimums'
+// part is one FMA of their factors with the blocks' sums (ActQ8::s).
+// Used at the AVX2 level; the AVX-512 level has gemm_formats_512.hpp's.
 template <class Block, bool kFive>
-struct FK45 : Base<Kind::min> {
+struct FK45 {
+  using Acc = __m256;
+  struct W {
+    __m256i q[8];   // sub-block j: 32 codes
+    __m256i sc[8];  // sub-block j: its scale in every 16-bit lane
+    __m256 d;
+    __m256 mins;  // lane j: -dmin * m_j
+  };
+  struct X {
+    const std::int8_t* q;
+    __m256 dk;
+    __m256 s;  // lane j: dk * sum of block j's codes
+  };
+  static __m256 zero() { return _mm256_setzero_ps(); }
+  static float reduce(__m256 v) { return hsum(v); }
+  static std::int64_t steps(std::int64_t cols) { return cols / kQK_K; }
+  static bool tail(std::int64_t) { return false; }
+  static X load_x(const GemmArgs& a, std::int64_t t, std::int64_t s) {
+    const std::int64_t sb = t * (a.cols / kQK_K) + s;
+    return X{a.act.qs + kQK_K * sb, _mm256_set1_ps(a.act.dk[sb]), _mm256_loadu_ps(a.act.s + 8 * sb)};
+  }
+  static X load_x_tail(const GemmArgs& a, std::int64_t t, std::int64_t s) { return load_x(a, t, s); }
   static W load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
-    const Block* b = block<Block>(row, s / 8);
-    const int j = static_cast<int>(s % 8);
-    W w{};
-    w.q = bit_field(b->qs + 32 * (j / 2), 4 * (j % 2), 0x0f);
-    if constexpr (kFive) w.q = _mm256_or_si256(w.q, _mm256_slli_epi16(bit_field(b->qh, j, 1), 4));
-    int sc, m;
-    scale_min_k4(j, b->scales, sc, m);
-    w.d = _mm256_set1_ps(_cvtsh_ss(b->d) * static_cast<float>(sc));
-    w.m = _mm256_set1_ps(-_cvtsh_ss(b->dmin) * static_cast<float>(m));
+    const Block* b = block<Block>(row, s);
+    W w;
+    alignas(16) std::uint8_t sm8[16];
+    scales_mins_k4(b->scales, sm8);
+    for (int j = 0; j < 8; ++j) {
+      w.q[j] = bit_field(b->qs + 32 * (j / 2), 4 * (j % 2), 0x0f);
+      if constexpr (kFive) w.q[j] = _mm256_or_si256(w.q[j], _mm256_slli_epi16(bit_field(b->qh, j, 1), 4));
+      w.sc[j] = _mm256_set1_epi16(static_cast<short>(sm8[j]));
+    }
+    w.d = _mm256_set1_ps(_cvtsh_ss(b->d));
+    const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm8 + 8));
+    w.mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)), _mm256_set1_ps(-_cvtsh_ss(b->dmin)));
     return w;
+  }
+  static W load_w_tail(const std::uint8_t*, std::int64_t, const GemmArgs&) { return W{}; }  // tail() is false
+  static void mac(__m256& acc, const W& w, const X& x) {
+    __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * j));
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w.q[j], xq), w.sc[j]));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(w.d, x.dk), acc);
+    acc = _mm256_fmadd_ps(w.mins, x.s, acc);
   }
 };
 using FQ4_K = FK45<BlockQ4_K, false>;

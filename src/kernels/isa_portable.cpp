@@ -182,4 +182,30 @@ constexpr KernelTable kPortable{
 
 const KernelTable& portable_table() noexcept { return kPortable; }
 
+void quantize_act_k(const float* x, std::int64_t n, const ActQ8Out& o) {
+  // Round half to even by adding and removing 1.5 * 2^23 (|v| <= 127): the
+  // bits of nearbyint, but plain float arithmetic that vectorizes.
+  constexpr float kRound = 12582912.0f;
+  for (std::int64_t j = 0; j < n / kQK_K; ++j) {
+    const float* xj = x + kQK_K * j;
+    float amax = 0.0f;
+    for (int i = 0; i < kQK_K; ++i) amax = std::max(amax, std::fabs(xj[i]));
+    float dk = amax / 127.0f;
+    float id = 1.0f / dk;
+    if (!(amax >= kActFlush)) dk = id = 0.0f;
+    o.dk[j] = dk;
+    for (int b = 0; b < kQK_K / kQK; ++b) {
+      int sum = 0;
+      for (int i = kQK * b; i < kQK * b + kQK; ++i) {
+        const float v = std::min(127.0f, std::max(-127.0f, xj[i] * id));  // NaN: -127, never undefined
+        const int q = static_cast<int>((v + kRound) - kRound);
+        o.qs[kQK_K * j + i] = static_cast<std::int8_t>(q);
+        sum += q;
+      }
+      o.bsum[8 * j + b] = sum;
+      o.s[8 * j + b] = dk * static_cast<float>(sum);
+    }
+  }
+}
+
 }  // namespace qkvshare::kernels::detail

@@ -3,7 +3,8 @@
 // integer dots per group, f32 scaling), written once for all types. Each
 // 32-value step of a row is decoded into signed codes q and, per half of 16,
 // a scale d and a minimum m (value = d q + m); a row is decoded once and then
-// multiplied with every token.
+// multiplied with every token. Q4_K and Q5_K take the super-block activations
+// instead (kernel_table.hpp ActQ8::dk) and sum a super-block in integers.
 #include <cstring>
 #include <vector>
 
@@ -57,20 +58,60 @@ void step_q5_1(const std::uint8_t* row, std::int64_t s, Step& o) {
   set(o, d, d, m, m);
 }
 
+// Q4_K / Q5_K: a super-block of unsigned codes with its integer sub-block
+// scales and its minimums' f32 factors.
+struct SuperStep {
+  std::uint8_t u[kQK_K];
+  int sc[8];
+  float d;
+  float mins[8];  // -dmin * m_j
+};
+
 template <class Block, bool kFive>
-void step_k45(const std::uint8_t* row, std::int64_t s, Step& o) {
-  const Block* b = block<Block>(row, s / 8);
-  const int j = static_cast<int>(s % 8);
-  for (int l = 0; l < 32; ++l) {
-    int q = (b->qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0f;
-    if constexpr (kFive) q |= ((b->qh[l] >> j) & 1) << 4;
-    o.q[l] = static_cast<std::int8_t>(q);
+void super_step_k45(const std::uint8_t* row, std::int64_t s, SuperStep& o) {
+  const Block* b = block<Block>(row, s);
+  for (int j = 0; j < 8; ++j) {
+    for (int l = 0; l < 32; ++l) {
+      int q = (b->qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0f;
+      if constexpr (kFive) q |= ((b->qh[l] >> j) & 1) << 4;
+      o.u[32 * j + l] = static_cast<std::uint8_t>(q);
+    }
+    int m;
+    scale_min_k4(j, b->scales, o.sc[j], m);
+    o.mins[j] = -fp16_to_fp32(b->dmin) * static_cast<float>(m);
   }
-  int sc, m;
-  scale_min_k4(j, b->scales, sc, m);
-  const float d = fp16_to_fp32(b->d) * static_cast<float>(sc);
-  const float mm = -fp16_to_fp32(b->dmin) * static_cast<float>(m);
-  set(o, d, d, mm, mm);
+  o.d = fp16_to_fp32(b->d);
+}
+
+// With the super-block activations (ActQ8::dk), as the SIMD levels do it:
+// per super-block the integer sum over sub-blocks j of sc_j * sum u x, one
+// f32 product with d * dk, and the minimums' part from the blocks' sums s_j.
+template <class Block, bool kFive>
+void gemm_k45(const GemmArgs& a) {
+  const std::int64_t n_super = a.cols / kQK_K;
+  thread_local std::vector<SuperStep> steps;
+  steps.resize(static_cast<std::size_t>(n_super));
+  for (std::int64_t r = 0; r < a.n_rows; ++r) {
+    const std::uint8_t* row = a.w + static_cast<std::size_t>(r) * a.row_bytes;
+    for (std::int64_t s = 0; s < n_super; ++s) super_step_k45<Block, kFive>(row, s, steps[static_cast<std::size_t>(s)]);
+    for (std::int64_t t = 0; t < a.n_tokens; ++t) {
+      float sum = 0.0f;
+      for (std::int64_t s = 0; s < n_super; ++s) {
+        const SuperStep& w = steps[static_cast<std::size_t>(s)];
+        const std::int64_t sb = t * n_super + s;
+        const std::int8_t* x = a.act.qs + kQK_K * sb;
+        std::int32_t isum = 0;
+        for (int j = 0; j < 8; ++j) {
+          std::int32_t sq = 0;
+          for (int l = 32 * j; l < 32 * j + 32; ++l) sq += w.u[l] * x[l];
+          isum += w.sc[j] * sq;
+        }
+        sum += w.d * a.act.dk[sb] * static_cast<float>(isum);
+        for (int j = 0; j < 8; ++j) sum += w.mins[j] * a.act.s[8 * sb + j];
+      }
+      a.y[t * a.ldy + r] = sum;
+    }
+  }
 }
 
 void step_q2_k(const std::uint8_t* row, std::int64_t s, Step& o) {
@@ -155,8 +196,8 @@ void gemm_q5_0(const GemmArgs& a) { gemm_steps<step_q5_0>(a); }
 void gemm_q5_1(const GemmArgs& a) { gemm_steps<step_q5_1>(a); }
 void gemm_q2_k(const GemmArgs& a) { gemm_steps<step_q2_k>(a); }
 void gemm_q3_k(const GemmArgs& a) { gemm_steps<step_q3_k>(a); }
-void gemm_q4_k(const GemmArgs& a) { gemm_steps<step_k45<BlockQ4_K, false>>(a); }
-void gemm_q5_k(const GemmArgs& a) { gemm_steps<step_k45<BlockQ5_K, true>>(a); }
+void gemm_q4_k(const GemmArgs& a) { gemm_k45<BlockQ4_K, false>(a); }
+void gemm_q5_k(const GemmArgs& a) { gemm_k45<BlockQ5_K, true>(a); }
 void gemm_iq4_nl(const GemmArgs& a) { gemm_steps<step_iq4_nl>(a); }
 void gemm_iq4_xs(const GemmArgs& a) { gemm_steps<step_iq4_xs>(a); }
 

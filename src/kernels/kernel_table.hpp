@@ -27,6 +27,12 @@ struct ActQ8 {
   // The same per block, for kernels whose 32-bit lanes each hold a whole block.
   const std::int32_t* bsum = nullptr;  // [t * cols / 32 + b]: bias_mult * sum of the block's q
   const float* s = nullptr;            // [t * cols / 32 + b]: d * sum of the block's q
+  // The super-block kind (quantize_act_k, for Q4_K and Q5_K weights; ggml's
+  // Q8_K): one scale per 256 values, so that a kernel sums a whole
+  // super-block's integer products, each sub-block's times its integer scale,
+  // before it converts once to float. Then qs, bsum (bias_mult 1) and s (dk *
+  // the block's sum) are filled; d, dl, bias and xs are not.
+  const float* dk = nullptr;  // [t * cols / 256 + j]: x ~= dk * q over super-block j
   std::int64_t cols = 0;
 };
 
@@ -64,8 +70,13 @@ struct ActQ8Out {
   float* xs;
   std::int32_t* bsum;
   float* s;
+  float* dk = nullptr;  // the super-block kind only
 };
 using QuantizeActFn = void (*)(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out);
+
+// The super-block kind of one token row (n % 256 == 0): plain C++, one
+// function for every ISA (isa_portable.cpp), so the bytes never depend on the level.
+void quantize_act_k(const float* x, std::int64_t n, const ActQ8Out& out);
 
 // gate = silu(gate) * up (see ops.hpp).
 using SiluMulFn = void (*)(float* gate, const float* up, std::int64_t n);

@@ -59,12 +59,23 @@ detail::GemmFn gemm_for(const KernelTable& k, GgmlType type) {
 // largest call seen, so steady-state decoding allocates nothing.
 struct ActBuffers {
   std::vector<std::int8_t> qs;
-  std::vector<float> d, dl, xs, s;
+  std::vector<float> d, dl, xs, s, dk;
   std::vector<std::int32_t> bias, bsum;
 };
 
+// What a weight type needs from the activations: f32, 8-bit in blocks of 32
+// with a bias multiplier (the kind is -bias_mult >= 0), or 8-bit in
+// super-blocks of 256 (Q4_K, Q5_K: ActQ8::dk).
+constexpr std::int32_t kFloatActs = -1;
+constexpr std::int32_t kSuperBlockActs = -2;
+std::int32_t activation_kind(GgmlType type) {
+  if (!quantizes_activations(type)) return kFloatActs;
+  if (type == GgmlType::Q4_K || type == GgmlType::Q5_K) return kSuperBlockActs;
+  return -bias_mult(type);
+}
+
 detail::ActQ8 quantize_activations(ThreadPool& pool, const KernelTable& k, const float* x, std::int64_t n_tokens,
-                                   std::int64_t cols, std::int32_t bmult) {
+                                   std::int64_t cols, std::int32_t kind) {
   // A thread_local named inside the lambda would be each worker's own: bind it here.
   thread_local ActBuffers tl_buf;
   ActBuffers& buf = tl_buf;
@@ -77,14 +88,18 @@ detail::ActQ8 quantize_activations(ThreadPool& pool, const KernelTable& k, const
     buf.xs.resize(n / 4);
     buf.bsum.resize(n / kQK);
     buf.s.resize(n / kQK);
+    buf.dk.resize(n / kQK_K);
   }
-  const auto run = [&buf, &k, x, cols, bmult](std::size_t begin, std::size_t end, int) {
+  const auto run = [&buf, &k, x, cols, kind](std::size_t begin, std::size_t end, int) {
     for (std::size_t t = begin; t < end; ++t) {
       const std::int64_t off = static_cast<std::int64_t>(t) * cols;
       const detail::ActQ8Out out{buf.qs.data() + off,       buf.d.data() + off / kQK,    buf.dl.data() + off / 4,
                                  buf.bias.data() + off / 4, buf.xs.data() + off / 4, buf.bsum.data() + off / kQK,
-                                 buf.s.data() + off / kQK};
-      k.quantize_act(x + off, cols, bmult, out);
+                                 buf.s.data() + off / kQK,  buf.dk.data() + off / kQK_K};
+      if (kind == kSuperBlockActs)
+        detail::quantize_act_k(x + off, cols, out);
+      else
+        k.quantize_act(x + off, cols, -kind, out);
     }
   };
   // A token row quantizes in about a microsecond: only batches are worth the threads.
@@ -92,12 +107,12 @@ detail::ActQ8 quantize_activations(ThreadPool& pool, const KernelTable& k, const
     pool.parallel_for(static_cast<std::size_t>(n_tokens), 4, run);
   else
     run(0, static_cast<std::size_t>(n_tokens), 0);
-  return {buf.qs.data(), buf.d.data(), buf.dl.data(), buf.bias.data(), buf.xs.data(), buf.bsum.data(), buf.s.data(), cols};
+  detail::ActQ8 act{buf.qs.data(), buf.d.data(), buf.dl.data(), buf.bias.data(), buf.xs.data(),
+                    buf.bsum.data(), buf.s.data()};
+  act.dk = buf.dk.data();
+  act.cols = cols;
+  return act;
 }
-
-// What a weight type needs from the activations: f32, or 8-bit with a bias multiplier.
-constexpr std::int32_t kFloatActs = -1;
-std::int32_t activation_kind(GgmlType type) { return quantizes_activations(type) ? -bias_mult(type) : kFloatActs; }
 
 void check_shapes(const TensorView& w, std::int64_t cols) {
   QKV_CHECK(w.cols() == cols);
@@ -172,7 +187,7 @@ void matmul_multi(ThreadPool& pool, std::span<const MatmulOut> outs, const float
     if (jobs[first].done) continue;
     const std::int32_t kind = jobs[first].kind;
     detail::ActQ8 act;
-    if (kind != kFloatActs) act = quantize_activations(pool, k, x, n_tokens, cols, -kind);
+    if (kind != kFloatActs) act = quantize_activations(pool, k, x, n_tokens, cols, kind);
     std::array<std::size_t, kMaxMatmulOuts> group{};
     std::size_t n_group = 0, rows = 0;
     for (std::size_t i = first; i < outs.size(); ++i) {
