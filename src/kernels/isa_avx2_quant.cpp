@@ -1,7 +1,7 @@
 // AVX2 kernels of the 8-bit-activation dots (Q8_0, Q4_0, Q4_1, Q6_K weights)
 // and the activation quantizer. Built with AVX2/FMA/F16C flags; reached only
-// through isa.cpp after the CPU check. A step is one 32-block (or an eighth of
-// a Q6_K super-block): maddubs multiplies unsigned codes u by the int8
+// through isa.cpp after the CPU check. A step is one 32-block (Q6_K: a
+// super-block, see FQ6_K): maddubs multiplies unsigned codes u by the int8
 // activations into int16 pairs, madd sums pairs into 32-bit lanes of 4 values,
 // ActQ8::bias removes the offset of u, and each lane is scaled by d_w * d_x.
 // maddubs saturates at 32767, so u must stay small (<= 63, true of Q4 and Q6);
@@ -118,24 +118,65 @@ struct FQ8_0 : QBase<false, true> {
 };
 
 // A step is 32 values of a super-block: two groups of 16 with their own scales.
-struct FQ6_K : QBase<false> {
-  static std::int64_t steps(std::int64_t cols) { return cols / 32; }
-  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
-    const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(row) + s / 8;
-    const int j = static_cast<int>(s % 8);
-    const int half = j / 4, sub = j % 4;  // layout in quant_ref.cpp's dequant_q6_k
-    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * half + 32 * (sub & 1)));
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * half));
-    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128(4 * (sub >> 1))), _mm256_set1_epi8(0x0f));
-    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * sub)), _mm256_set1_epi8(3));
-    WQ w{};
-    w.q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-    const float d = _cvtsh_ss(b->d);
-    w.d = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(b->scales[2 * j + 1])),
-                          _mm_set1_ps(d * static_cast<float>(b->scales[2 * j])));
+// Q6_K with the super-block activations (kernel_table.hpp ActQ8::dk): a step
+// is a super-block, as u = q + 32 in 8 chunks of 32 values (layout in
+// quant_ref.cpp's dequant_q6_k). Chunk j's maddubs sums (at most 2 * 63 *
+// 127) times its two groups' int8 scales go into 32-bit lanes (madd); the
+// offset, 32 * sc_g * (sum of group g's codes, ActQ8::g16), comes off in
+// integers, so a super-block is exact until one conversion and one FMA.
+struct FQ6_K {
+  using Acc = __m256;
+  struct W {
+    __m256i q[8];
+    __m256i sc[8];   // chunk j: groups 2j (16-bit lanes 0-7) and 2j + 1 (lanes 8-15)
+    __m256i off[2];  // lane g of off[g / 8]: 32 * sc_g
+    __m256 d;
+  };
+  struct X {
+    const std::int8_t* q;
+    const std::int32_t* g16;
+    __m256 dk;
+  };
+  static __m256 zero() { return _mm256_setzero_ps(); }
+  static float reduce(__m256 v) { return hsum(v); }
+  static std::int64_t steps(std::int64_t cols) { return cols / kQK_K; }
+  static bool tail(std::int64_t) { return false; }
+  static X load_x(const GemmArgs& a, std::int64_t t, std::int64_t s) {
+    const std::int64_t sb = t * (a.cols / kQK_K) + s;
+    return X{a.act.qs + kQK_K * sb, a.act.g16 + 16 * sb, _mm256_set1_ps(a.act.dk[sb])};
+  }
+  static X load_x_tail(const GemmArgs& a, std::int64_t t, std::int64_t s) { return load_x(a, t, s); }
+  static W load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(row) + s;
+    W w;
+    for (int j = 0; j < 8; ++j) {
+      const int half = j / 4, sub = j % 4;
+      const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * half + 32 * (sub & 1)));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * half));
+      const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128(4 * (sub >> 1))), _mm256_set1_epi8(0x0f));
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * sub)), _mm256_set1_epi8(3));
+      w.q[j] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+      w.sc[j] = _mm256_set_m128i(_mm_set1_epi16(b->scales[2 * j + 1]), _mm_set1_epi16(b->scales[2 * j]));
+    }
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales));
+    w.off[0] = _mm256_slli_epi32(_mm256_cvtepi8_epi32(sc8), 5);
+    w.off[1] = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)), 5);
+    w.d = _mm256_set1_ps(_cvtsh_ss(b->d));
     return w;
   }
-  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+  static W load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+  static void mac(__m256& acc, const W& w, const X& x) {
+    const __m256i g0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.g16));
+    const __m256i g1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.g16 + 8));
+    __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                    _mm256_add_epi32(_mm256_mullo_epi32(w.off[0], g0), _mm256_mullo_epi32(w.off[1], g1)));
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * j));
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w.q[j], xq), w.sc[j]));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(w.d, x.dk), acc);
+  }
 };
 
 void quantize_block_rows(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& o) {

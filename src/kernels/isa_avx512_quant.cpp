@@ -1,10 +1,14 @@
 // AVX-512 + VNNI kernel of Q6_K weights and the activation quantizer (Q4_0,
 // Q4_1 and Q8_0 are in isa_avx512_rows.cpp). Built with AVX-512 flags
 // (src/CMakeLists.txt) and reached only through isa.cpp after the CPU check.
-// Q6_K runs row-major (gemm_tiles.hpp): a step is 64 values of a row turned
-// into unsigned bytes u; vpdpbusd sums u * x in 32-bit lanes of 4 values,
-// whose start value ActQ8::bias removes the offset of u (kernel_table.hpp); a
-// lane is then scaled by d_w * sc_group * d_x in f32.
+// Q6_K runs row-major (gemm_tiles.hpp) with the super-block activations
+// (kernel_table.hpp ActQ8::dk, ggml's Q8_K): a step is a super-block, its
+// codes turned into unsigned bytes u = q + 32. Per 64-value chunk, maddubs
+// sums u * x in 16 bits (at most 2 * 63 * 127) and vpdpwssd multiplies each
+// group of 16's sums by its int8 scale into 32-bit lanes; the offset, 32 *
+// sc_g * (sum of group g's activation codes, ActQ8::g16), is taken off in
+// integers too, so a super-block is exact until one conversion and one FMA
+// with d * dk.
 #include "act_q8_store.hpp"
 #include "simd_intrin.hpp"
 
@@ -15,59 +19,70 @@
 namespace qkvshare::kernels::detail::avx512 {
 namespace {
 
-// A weight step: 64 unsigned codes and the scale per 32-bit lane.
-struct WQ {
-  __m512i q;
+struct WQ6 {
+  __m512i q[4];   // chunk c: values 64c..64c+63 as u = q + 32
+  __m512i sc[4];  // chunk c: 16-bit lane i holds the scale of group 4c + i / 8
+  __m512i off;    // lane g: 32 * sc_g
   __m512 d;
 };
-struct XQ {
-  __m512i q;
-  __m512 dl;
-  __m512i bias;
+struct XQ6 {
+  const std::int8_t* q;  // the super-block's 256 codes
+  __m512i g16;           // lane g: sum of group g's codes
+  __m512 dk;
 };
 
-// A step is a quarter (64 values, 4 groups of 16) of a super-block.
+// 16-bit lanes 8k..8k+7 take element 4c + k of a vector.
+inline __m512i group_index16(int c) {
+  const __m512i k = _mm512_set_epi32(0x30003, 0x30003, 0x30003, 0x30003, 0x20002, 0x20002, 0x20002, 0x20002,
+                                     0x10001, 0x10001, 0x10001, 0x10001, 0, 0, 0, 0);
+  return _mm512_add_epi16(k, _mm512_set1_epi16(static_cast<short>(4 * c)));
+}
+
 struct FQ6_K {
   using Acc = __m512;
-  using W = WQ;
-  using X = XQ;
+  using W = WQ6;
+  using X = XQ6;
   static __m512 zero() { return _mm512_setzero_ps(); }
   static float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
-  static std::int64_t steps(std::int64_t cols) { return cols / 64; }
+  static std::int64_t steps(std::int64_t cols) { return cols / kQK_K; }
   static bool tail(std::int64_t) { return false; }
-  static XQ load_x(const GemmArgs& a, std::int64_t t, std::int64_t s) {
-    const std::int64_t off = t * a.cols + 64 * s;
-    return {_mm512_loadu_si512(a.act.qs + off), _mm512_loadu_ps(a.act.dl + off / 4),
-            _mm512_loadu_si512(a.act.bias + off / 4)};
+  static XQ6 load_x(const GemmArgs& a, std::int64_t t, std::int64_t s) {
+    const std::int64_t sb = t * (a.cols / kQK_K) + s;
+    return {a.act.qs + kQK_K * sb, _mm512_loadu_si512(a.act.g16 + 16 * sb), _mm512_set1_ps(a.act.dk[sb])};
   }
-  static XQ load_x_tail(const GemmArgs& a, std::int64_t t, std::int64_t s) { return load_x(a, t, s); }
-  static void mac(__m512& acc, const WQ& w, const XQ& x) {
-    const __m512i p = _mm512_dpbusd_epi32(x.bias, w.q, x.q);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w.d, x.dl), acc);
+  static XQ6 load_x_tail(const GemmArgs& a, std::int64_t t, std::int64_t s) { return load_x(a, t, s); }
+  static void mac(__m512& acc, const WQ6& w, const XQ6& x) {
+    __m512i isum = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_mullo_epi32(w.off, x.g16));
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(w.q[c], _mm512_loadu_si512(x.q + 64 * c)), w.sc[c]);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(w.d, x.dk), acc);
   }
-  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
-    const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(row) + s / 4;
-    const int k = static_cast<int>(s % 4);
-    const int half = k >> 1;  // which 128 values; within them low or high nibbles
-    const __m512i l = _mm512_loadu_si512(b->ql + 64 * half);
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * half));
-    __m512i lo, hx;
-    if (k & 1) {
-      lo = _mm512_and_si512(_mm512_srli_epi16(l, 4), _mm512_set1_epi8(0x0f));
-      hx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(h, 4)), _mm256_srli_epi16(h, 6), 1);
-    } else {
-      lo = _mm512_and_si512(l, _mm512_set1_epi8(0x0f));
-      hx = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+  static WQ6 load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(row) + s;
+    WQ6 w;
+    for (int c = 0; c < 4; ++c) {  // layout in quant_ref.cpp's dequant_q6_k
+      const int half = c >> 1;     // which 128 values; within them low or high nibbles
+      const __m512i l = _mm512_loadu_si512(b->ql + 64 * half);
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * half));
+      __m512i lo, hx;
+      if (c & 1) {
+        lo = _mm512_and_si512(_mm512_srli_epi16(l, 4), _mm512_set1_epi8(0x0f));
+        hx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(h, 4)), _mm256_srli_epi16(h, 6), 1);
+      } else {
+        lo = _mm512_and_si512(l, _mm512_set1_epi8(0x0f));
+        hx = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+      }
+      w.q[c] = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(hx, _mm512_set1_epi8(3)), 4));
     }
-    WQ w{};
-    w.q = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(hx, _mm512_set1_epi8(3)), 4));
-    const __m128 sc = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_loadu_si32(b->scales + 4 * k))),
-                                 _mm_set1_ps(_cvtsh_ss(b->d)));
-    w.d = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                                _mm512_castps128_ps512(sc));
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales));
+    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+    for (int c = 0; c < 4; ++c) w.sc[c] = _mm512_permutexvar_epi16(group_index16(c), sc16);
+    w.off = _mm512_slli_epi32(_mm512_cvtepi8_epi32(sc8), 5);
+    w.d = _mm512_set1_ps(_cvtsh_ss(b->d));
     return w;
   }
-  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+  static WQ6 load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
 };
 
 void quantize_block_rows(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& o) {
@@ -95,7 +110,7 @@ void quantize_block_rows(const float* x, std::int64_t n, std::int32_t bias_mult,
 
 }  // namespace
 
-void gemm_q6_k(const GemmArgs& a) { gemm_tiled<FQ6_K, 4, 3>(a); }
+void gemm_q6_k(const GemmArgs& a) { gemm_tiled<FQ6_K, 2, 3>(a); }
 void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out) {
   quantize_block_rows(x, n, bias_mult, out);
 }

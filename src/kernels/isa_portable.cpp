@@ -142,14 +142,16 @@ void gemm_q6_k(const GemmArgs& a) {
           q[n + l + 64] = static_cast<std::int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
           q[n + l + 96] = static_cast<std::int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
         }
-      const float d = fp16_to_fp32(w[sb].d);
+      // The super-block activations: the whole super-block summed in integers.
+      const std::int64_t j = t * (a.cols / kQK_K) + sb;
+      const std::int8_t* x = a.act.qs + kQK_K * j;
+      std::int32_t isum = 0;
       for (int g = 0; g < kQK_K / 16; ++g) {
-        const std::int64_t b = sb * (kQK_K / kQK) + g / 2;
-        const std::int8_t* x = act_q(a.act, t, b) + 16 * (g % 2);
-        int s = 0;
-        for (int j = 0; j < 16; ++j) s += q[16 * g + j] * x[j];
-        sum += d * static_cast<float>(w[sb].scales[g]) * act_d(a.act, t, b) * static_cast<float>(s);
+        std::int32_t s = 0;
+        for (int i = 16 * g; i < 16 * g + 16; ++i) s += q[i] * x[i];
+        isum += w[sb].scales[g] * s;
       }
+      sum += fp16_to_fp32(w[sb].d) * a.act.dk[j] * static_cast<float>(isum);
     }
     return sum;
   });
@@ -194,14 +196,18 @@ void quantize_act_k(const float* x, std::int64_t n, const ActQ8Out& o) {
     float id = 1.0f / dk;
     if (!(amax >= kActFlush)) dk = id = 0.0f;
     o.dk[j] = dk;
-    for (int b = 0; b < kQK_K / kQK; ++b) {
+    for (int g = 0; g < kQK_K / 16; ++g) {
       int sum = 0;
-      for (int i = kQK * b; i < kQK * b + kQK; ++i) {
+      for (int i = 16 * g; i < 16 * g + 16; ++i) {
         const float v = std::min(127.0f, std::max(-127.0f, xj[i] * id));  // NaN: -127, never undefined
         const int q = static_cast<int>((v + kRound) - kRound);
         o.qs[kQK_K * j + i] = static_cast<std::int8_t>(q);
         sum += q;
       }
+      o.g16[16 * j + g] = sum;
+    }
+    for (int b = 0; b < kQK_K / kQK; ++b) {
+      const int sum = o.g16[16 * j + 2 * b] + o.g16[16 * j + 2 * b + 1];
       o.bsum[8 * j + b] = sum;
       o.s[8 * j + b] = dk * static_cast<float>(sum);
     }

@@ -27,12 +27,13 @@ struct ActQ8 {
   // The same per block, for kernels whose 32-bit lanes each hold a whole block.
   const std::int32_t* bsum = nullptr;  // [t * cols / 32 + b]: bias_mult * sum of the block's q
   const float* s = nullptr;            // [t * cols / 32 + b]: d * sum of the block's q
-  // The super-block kind (quantize_act_k, for Q4_K and Q5_K weights; ggml's
-  // Q8_K): one scale per 256 values, so that a kernel sums a whole
+  // The super-block kind (quantize_act_k, for Q4_K, Q5_K and Q6_K weights;
+  // ggml's Q8_K): one scale per 256 values, so that a kernel sums a whole
   // super-block's integer products, each sub-block's times its integer scale,
-  // before it converts once to float. Then qs, bsum (bias_mult 1) and s (dk *
-  // the block's sum) are filled; d, dl, bias and xs are not.
-  const float* dk = nullptr;  // [t * cols / 256 + j]: x ~= dk * q over super-block j
+  // before it converts once to float. Then qs, bsum (bias_mult 1), s (dk *
+  // the block's sum), dk and g16 are filled; d, dl, bias and xs are not.
+  const float* dk = nullptr;          // [t * cols / 256 + j]: x ~= dk * q over super-block j
+  const std::int32_t* g16 = nullptr;  // [t * cols / 16 + g]: sum of the codes of group g (16 values)
   std::int64_t cols = 0;
 };
 
@@ -40,7 +41,6 @@ struct ActQ8 {
 // unsigned weight codes u = q + offset: sum(q * x) = sum(u * x) - offset * sum(x).
 inline constexpr std::int32_t kBiasQ4_0 = -8;
 inline constexpr std::int32_t kBiasQ8_0 = -128;
-inline constexpr std::int32_t kBiasQ6_K = -32;
 inline constexpr std::int32_t kBiasQ5_0 = -16;
 inline constexpr std::int32_t kBiasQ3_K = -4;
 // IQ4_NL / IQ4_XS share Q8_0's activations: signed codes offset by 128 where
@@ -71,6 +71,7 @@ struct ActQ8Out {
   std::int32_t* bsum;
   float* s;
   float* dk = nullptr;  // the super-block kind only
+  std::int32_t* g16 = nullptr;
 };
 using QuantizeActFn = void (*)(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out);
 

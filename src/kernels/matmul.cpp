@@ -24,12 +24,11 @@ std::int32_t bias_mult(GgmlType type) {
   switch (type) {
     case GgmlType::Q4_0: return detail::kBiasQ4_0;
     case GgmlType::Q8_0: return detail::kBiasQ8_0;
-    case GgmlType::Q6_K: return detail::kBiasQ6_K;
     case GgmlType::Q5_0: return detail::kBiasQ5_0;
     case GgmlType::Q3_K: return detail::kBiasQ3_K;
     case GgmlType::IQ4_NL:
     case GgmlType::IQ4_XS: return detail::kBiasQ8_0;
-    default: return 0;  // the types with a minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) need none
+    default: return 0;  // the types with a minimum (Q4_1, Q5_1, Q2_K) need none
   }
 }
 
@@ -60,17 +59,17 @@ detail::GemmFn gemm_for(const KernelTable& k, GgmlType type) {
 struct ActBuffers {
   std::vector<std::int8_t> qs;
   std::vector<float> d, dl, xs, s, dk;
-  std::vector<std::int32_t> bias, bsum;
+  std::vector<std::int32_t> bias, bsum, g16;
 };
 
 // What a weight type needs from the activations: f32, 8-bit in blocks of 32
 // with a bias multiplier (the kind is -bias_mult >= 0), or 8-bit in
-// super-blocks of 256 (Q4_K, Q5_K: ActQ8::dk).
+// super-blocks of 256 (Q4_K, Q5_K, Q6_K: ActQ8::dk).
 constexpr std::int32_t kFloatActs = -1;
 constexpr std::int32_t kSuperBlockActs = -2;
 std::int32_t activation_kind(GgmlType type) {
   if (!quantizes_activations(type)) return kFloatActs;
-  if (type == GgmlType::Q4_K || type == GgmlType::Q5_K) return kSuperBlockActs;
+  if (type == GgmlType::Q4_K || type == GgmlType::Q5_K || type == GgmlType::Q6_K) return kSuperBlockActs;
   return -bias_mult(type);
 }
 
@@ -89,13 +88,15 @@ detail::ActQ8 quantize_activations(ThreadPool& pool, const KernelTable& k, const
     buf.bsum.resize(n / kQK);
     buf.s.resize(n / kQK);
     buf.dk.resize(n / kQK_K);
+    buf.g16.resize(n / 16);
   }
   const auto run = [&buf, &k, x, cols, kind](std::size_t begin, std::size_t end, int) {
     for (std::size_t t = begin; t < end; ++t) {
       const std::int64_t off = static_cast<std::int64_t>(t) * cols;
       const detail::ActQ8Out out{buf.qs.data() + off,       buf.d.data() + off / kQK,    buf.dl.data() + off / 4,
                                  buf.bias.data() + off / 4, buf.xs.data() + off / 4, buf.bsum.data() + off / kQK,
-                                 buf.s.data() + off / kQK,  buf.dk.data() + off / kQK_K};
+                                 buf.s.data() + off / kQK,  buf.dk.data() + off / kQK_K,
+                                 buf.g16.data() + off / 16};
       if (kind == kSuperBlockActs)
         detail::quantize_act_k(x + off, cols, out);
       else
@@ -110,6 +111,7 @@ detail::ActQ8 quantize_activations(ThreadPool& pool, const KernelTable& k, const
   detail::ActQ8 act{buf.qs.data(), buf.d.data(), buf.dl.data(), buf.bias.data(), buf.xs.data(),
                     buf.bsum.data(), buf.s.data()};
   act.dk = buf.dk.data();
+  act.g16 = buf.g16.data();
   act.cols = cols;
   return act;
 }
