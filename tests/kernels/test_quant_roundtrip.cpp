@@ -143,5 +143,56 @@ TEST(ActivationQuantizer, EveryLevelMatchesPortableByteForByte) {
   }
 }
 
+// The super-block kind (Q4_K, Q5_K, Q6_K): one scale per 256 values, codes
+// rounded half to even (as nearbyint), the sums of every group of 16 and
+// block of 32 exact; a block below the flush threshold is zeros, and inf and
+// NaN give defined codes instead of undefined conversions.
+TEST(ActivationQuantizer, SuperBlockKindRoundsToNearestAndSumsItsGroups) {
+  std::mt19937 rng(5);
+  const std::int64_t n = 256 * 6;
+  auto x = normal(n, 2.0f, rng);
+  for (int i = 256; i < 512; ++i) x[i] *= 1e-32f;  // below the flush threshold
+  for (int i = 512; i < 768; ++i) x[i] = 0.25f * static_cast<float>(i - 640);  // ties at half steps
+  x[512] = -32.0f;                                  // sets that block's scale: 32 / 127
+  x[800] *= 40.0f;                                  // an outlier sets its block's scale
+  x[1100] = std::numeric_limits<float>::infinity();
+  x[1300] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<std::int8_t> qs(n);
+  std::vector<float> dk(n / 256), s(n / 32);
+  std::vector<std::int32_t> g16(n / 16), bsum(n / 32);
+  detail::ActQ8Out out{qs.data(), nullptr, nullptr, nullptr, nullptr, bsum.data(), s.data()};
+  out.dk = dk.data();
+  out.g16 = g16.data();
+  detail::quantize_act_k(x.data(), n, out);
+  for (std::int64_t j = 0; j < n / 256; ++j) {
+    float amax = 0.0f;
+    for (std::int64_t i = 256 * j; i < 256 * j + 256; ++i)
+      if (std::isfinite(x[i])) amax = std::max(amax, std::fabs(x[i]));
+    if (j == 4) amax = std::numeric_limits<float>::infinity();
+    const float want_dk = amax >= detail::kActFlush ? amax / 127.0f : 0.0f;
+    ASSERT_EQ(dk[j], want_dk) << "super-block " << j;
+    for (std::int64_t i = 256 * j; i < 256 * j + 256; ++i) {
+      // An infinite scale multiplies by 1 / inf = 0: finite values give 0, inf * 0 and NaN give -127.
+      int want = 0;
+      if (!std::isfinite(x[i]) && (std::isnan(x[i]) || !std::isfinite(want_dk)))
+        want = -127;
+      else if (want_dk > 0.0f && std::isfinite(want_dk))
+        want = static_cast<int>(std::nearbyint(std::clamp(x[i] * (1.0f / want_dk), -127.0f, 127.0f)));
+      ASSERT_EQ(qs[i], want) << "value " << i << " = " << x[i];
+    }
+  }
+  for (std::int64_t g = 0; g < n / 16; ++g) {
+    int sum = 0;
+    for (std::int64_t i = 16 * g; i < 16 * g + 16; ++i) sum += qs[i];
+    ASSERT_EQ(g16[g], sum) << "group " << g;
+  }
+  for (std::int64_t b = 0; b < n / 32; ++b) {
+    ASSERT_EQ(bsum[b], g16[2 * b] + g16[2 * b + 1]) << "block " << b;
+    const float want_s = dk[b / 8] * static_cast<float>(bsum[b]);  // NaN in the infinite block: compare bits
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(s[b]), std::bit_cast<std::uint32_t>(want_s)) << "block " << b;
+  }
+  for (std::int64_t i = 256; i < 512; ++i) ASSERT_EQ(qs[i], 0);
+}
+
 }  // namespace
 }  // namespace qkvshare::kernels::testing
