@@ -1,9 +1,8 @@
 // NEON level for ARM64 (base ARMv8-A, every AArch64 CPU): matmul for every
 // weight type (neon_gemm.hpp), SwiGLU with the one vector exp, and the KV
-// tile kernels (kv_tiles.hpp, 4 lanes). The activation quantizer and the f32
-// attention of one head are the portable level's: they are a small share of
-// a decode step, and the portable quantizer is what every level must match
-// byte for byte. isa_neon_dot.cpp adds the dotprod level on top of this one.
+// tile kernels (kv_tiles.hpp, 4 lanes). The activation quantizer is the
+// portable level's: it is a small share of a decode step, and the portable
+// quantizer is what every level must match byte for byte. isa_neon_dot.cpp adds the dotprod level on top of this one.
 #define QKVSHARE_NEON_NS neon
 #define QKVSHARE_NEON_DOT 0
 #include "neon_gemm.hpp"
@@ -21,17 +20,14 @@ void gemm_q8_0(const GemmArgs& a) { gemm_tiled<FQ8_0, 2, 2>(a); }
 void gemm_q4_0(const GemmArgs& a) { gemm_tiled<FQ4_0, 2, 2>(a); }
 void gemm_q4_1(const GemmArgs& a) { gemm_tiled<FQ4_1, 2, 2>(a); }
 void gemm_q6_k(const GemmArgs& a) { gemm_tiled<FQ6_K, 2, 2>(a); }
-// Q5_0, Q5_1, Q2_K, Q3_K and the IQ4 types have no NEON body yet: this level
-// runs their portable kernels (compared with the same scalar references by
-// test_matmul_isa). Q4_K and Q5_K have theirs (neon_gemm.hpp).
-void gemm_q5_0(const GemmArgs& a) { portable::gemm_q5_0(a); }
-void gemm_q5_1(const GemmArgs& a) { portable::gemm_q5_1(a); }
-void gemm_q2_k(const GemmArgs& a) { portable::gemm_q2_k(a); }
-void gemm_q3_k(const GemmArgs& a) { portable::gemm_q3_k(a); }
+void gemm_q5_0(const GemmArgs& a) { gemm_tiled<FQ5_0, 2, 2>(a); }
+void gemm_q5_1(const GemmArgs& a) { gemm_tiled<FQ5_1, 2, 2>(a); }
+void gemm_q2_k(const GemmArgs& a) { gemm_tiled<FQ2_K, 2, 2>(a); }
+void gemm_q3_k(const GemmArgs& a) { gemm_tiled<FQ3_K, 2, 2>(a); }
 void gemm_q4_k(const GemmArgs& a) { gemm_tiled<FQ4_K, 2, 2>(a); }
 void gemm_q5_k(const GemmArgs& a) { gemm_tiled<FQ5_K, 2, 2>(a); }
-void gemm_iq4_nl(const GemmArgs& a) { portable::gemm_iq4_nl(a); }
-void gemm_iq4_xs(const GemmArgs& a) { portable::gemm_iq4_xs(a); }
+void gemm_iq4_nl(const GemmArgs& a) { gemm_tiled<FIQ4_NL, 2, 2>(a); }
+void gemm_iq4_xs(const GemmArgs& a) { gemm_tiled<FIQ4_XS, 2, 2>(a); }
 
 void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out) {
   portable_table().quantize_act(x, n, bias_mult, out);

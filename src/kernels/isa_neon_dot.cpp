@@ -15,17 +15,14 @@ void gemm_q8_0(const GemmArgs& a) { gemm_tiled<FQ8_0, 2, 2>(a); }
 void gemm_q4_0(const GemmArgs& a) { gemm_tiled<FQ4_0, 2, 2>(a); }
 void gemm_q4_1(const GemmArgs& a) { gemm_tiled<FQ4_1, 2, 2>(a); }
 void gemm_q6_k(const GemmArgs& a) { gemm_tiled<FQ6_K, 2, 2>(a); }
-// Q5_0, Q5_1, Q2_K, Q3_K and the IQ4 types have no NEON body yet: this level
-// runs their portable kernels (compared with the same scalar references by
-// test_matmul_isa). Q4_K and Q5_K have theirs (neon_gemm.hpp).
-void gemm_q5_0(const GemmArgs& a) { portable::gemm_q5_0(a); }
-void gemm_q5_1(const GemmArgs& a) { portable::gemm_q5_1(a); }
-void gemm_q2_k(const GemmArgs& a) { portable::gemm_q2_k(a); }
-void gemm_q3_k(const GemmArgs& a) { portable::gemm_q3_k(a); }
+void gemm_q5_0(const GemmArgs& a) { gemm_tiled<FQ5_0, 2, 2>(a); }
+void gemm_q5_1(const GemmArgs& a) { gemm_tiled<FQ5_1, 2, 2>(a); }
+void gemm_q2_k(const GemmArgs& a) { gemm_tiled<FQ2_K, 2, 2>(a); }
+void gemm_q3_k(const GemmArgs& a) { gemm_tiled<FQ3_K, 2, 2>(a); }
 void gemm_q4_k(const GemmArgs& a) { gemm_tiled<FQ4_K, 2, 2>(a); }
 void gemm_q5_k(const GemmArgs& a) { gemm_tiled<FQ5_K, 2, 2>(a); }
-void gemm_iq4_nl(const GemmArgs& a) { portable::gemm_iq4_nl(a); }
-void gemm_iq4_xs(const GemmArgs& a) { portable::gemm_iq4_xs(a); }
+void gemm_iq4_nl(const GemmArgs& a) { gemm_tiled<FIQ4_NL, 2, 2>(a); }
+void gemm_iq4_xs(const GemmArgs& a) { gemm_tiled<FIQ4_XS, 2, 2>(a); }
 void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out) {
   neon::quantize_act(x, n, bias_mult, out);
 }

@@ -168,6 +168,147 @@ struct FQ4_1 : QBase<true> {
   static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
 };
 
+// 16 bits -> byte j = 0x10 where bit j is set (the 5th bit of Q5 codes).
+inline uint8x16_t fifth_bits(std::uint32_t h16) {
+  static constexpr std::uint8_t kBit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  const uint8x16_t bytes = vcombine_u8(vdup_n_u8(static_cast<std::uint8_t>(h16 & 0xff)),
+                                       vdup_n_u8(static_cast<std::uint8_t>((h16 >> 8) & 0xff)));
+  return vandq_u8(vtstq_u8(bytes, vld1q_u8(kBit)), vdupq_n_u8(0x10));
+}
+
+template <int kOffset>
+inline void q5_codes(const std::uint8_t* qs, const std::uint8_t* qh, WQ& w) {
+  std::uint32_t h;
+  std::memcpy(&h, qh, 4);
+  const uint8x16_t b = vld1q_u8(qs);
+  const int8x16_t off = vdupq_n_s8(kOffset);
+  w.q0 = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vandq_u8(b, vdupq_n_u8(0x0f)), fifth_bits(h))), off);
+  w.q1 = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(b, 4), fifth_bits(h >> 16))), off);
+}
+
+struct FQ5_0 : QBase<false> {
+  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockQ5_0* b = reinterpret_cast<const BlockQ5_0*>(row) + s;
+    WQ w;
+    q5_codes<16>(b->qs, b->qh, w);
+    w.d = half_to_float(b->d);
+    w.m = 0.0f;
+    return w;
+  }
+  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+};
+
+struct FQ5_1 : QBase<true> {
+  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockQ5_1* b = reinterpret_cast<const BlockQ5_1*>(row) + s;
+    WQ w;
+    q5_codes<0>(b->qs, b->qh, w);
+    w.d = half_to_float(b->d);
+    w.m = half_to_float(b->m);
+    return w;
+  }
+  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+};
+
+// The IQ4 code book: nibbles looked up with tbl (values -127..113, signed dots hold them).
+inline void iq4_codes(const std::uint8_t* qs, WQ& w) {
+  const int8x16_t book = vld1q_s8(kIq4Values);
+  const uint8x16_t b = vld1q_u8(qs);
+  w.q0 = vqtbl1q_s8(book, vandq_u8(b, vdupq_n_u8(0x0f)));
+  w.q1 = vqtbl1q_s8(book, vshrq_n_u8(b, 4));
+}
+
+struct FIQ4_NL : QBase<false> {
+  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockIQ4_NL* b = reinterpret_cast<const BlockIQ4_NL*>(row) + s;
+    WQ w;
+    iq4_codes(b->qs, w);
+    w.d = half_to_float(b->d);
+    w.m = 0.0f;
+    return w;
+  }
+  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+};
+
+// Step j of a super-block: sub-block j (32 values) with its 6-bit scale.
+struct FIQ4_XS : QBase<false> {
+  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockIQ4_XS* b = reinterpret_cast<const BlockIQ4_XS*>(row) + s / 8;
+    const int j = static_cast<int>(s % 8);
+    WQ w;
+    iq4_codes(b->qs + 16 * j, w);
+    w.d = half_to_float(b->d) * static_cast<float>(scale_iq4_xs(j, b->scales_h, b->scales_l));
+    w.m = 0.0f;
+    return w;
+  }
+  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+};
+
+// Q2_K and Q3_K: a step is 32 values, two groups of 16 with their own scales
+// (and for Q2_K minimums, times the groups' activation sums, summed here).
+struct WQ2 {
+  int8x16_t q0, q1;
+  float d0, d1;
+  float m0, m1;
+};
+template <bool kMin>
+struct QBase2 : QBase<false> {
+  using W = WQ2;
+  static void mac(AccQ& acc, const WQ2& w, const XQ& x) {
+    const int32x4_t p0 = dot16(vdupq_n_s32(0), w.q0, x.q0), p1 = dot16(vdupq_n_s32(0), w.q1, x.q1);
+    acc.v = vfmaq_n_f32(acc.v, vcvtq_f32_s32(p0), w.d0 * x.d);
+    acc.v = vfmaq_n_f32(acc.v, vcvtq_f32_s32(p1), w.d1 * x.d);
+    if constexpr (kMin)
+      acc.m += x.d * (w.m0 * static_cast<float>(vaddlvq_s8(x.q0)) + w.m1 * static_cast<float>(vaddlvq_s8(x.q1)));
+  }
+};
+
+// Step k: values 32k..32k+31 are bits 2(k % 4).. of qs[32 (k / 4) + l]; groups 2k, 2k + 1.
+inline uint8x16_t two_bits(const std::uint8_t* qs, int k, int half) {
+  const int8x16_t shift = vdupq_n_s8(static_cast<std::int8_t>(-2 * (k % 4)));
+  return vandq_u8(vshlq_u8(vld1q_u8(qs + 32 * (k / 4) + 16 * half), shift), vdupq_n_u8(3));
+}
+
+struct FQ2_K : QBase2<true> {
+  static WQ2 load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockQ2_K* b = reinterpret_cast<const BlockQ2_K*>(row) + s / 8;
+    const int k = static_cast<int>(s % 8);
+    WQ2 w;
+    w.q0 = vreinterpretq_s8_u8(two_bits(b->qs, k, 0));
+    w.q1 = vreinterpretq_s8_u8(two_bits(b->qs, k, 1));
+    const float d = half_to_float(b->d), dmin = half_to_float(b->dmin);
+    const int s0 = b->scales[2 * k], s1 = b->scales[2 * k + 1];
+    w.d0 = d * static_cast<float>(s0 & 0x0f);
+    w.d1 = d * static_cast<float>(s1 & 0x0f);
+    w.m0 = -dmin * static_cast<float>(s0 >> 4);
+    w.m1 = -dmin * static_cast<float>(s1 >> 4);
+    return w;
+  }
+  static WQ2 load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+};
+
+// Q3_K: the low 2 bits as Q2_K's; bit k of hmask[l] set means no -4 offset.
+struct FQ3_K : QBase2<false> {
+  static WQ2 load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+    const BlockQ3_K* b = reinterpret_cast<const BlockQ3_K*>(row) + s / 8;
+    const int k = static_cast<int>(s % 8);
+    const int8x16_t hshift = vdupq_n_s8(static_cast<std::int8_t>(2 - k));  // bit k -> bit 2
+    const auto code = [&](int half) {
+      const uint8x16_t hi = vandq_u8(vshlq_u8(vld1q_u8(b->hmask + 16 * half), hshift), vdupq_n_u8(4));
+      return vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(two_bits(b->qs, k, half), hi)), vdupq_n_s8(4));
+    };
+    WQ2 w;
+    w.q0 = code(0);
+    w.q1 = code(1);
+    const float d = half_to_float(b->d);
+    w.d0 = d * static_cast<float>(scale_q3_k(2 * k, b->scales));
+    w.d1 = d * static_cast<float>(scale_q3_k(2 * k + 1, b->scales));
+    w.m0 = w.m1 = 0.0f;
+    return w;
+  }
+  static WQ2 load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
+};
+
 // ---- the super-block activations (ActQ8::dk, ggml's Q8_K): Q4_K, Q5_K, Q6_K ----
 // A step is a super-block: 16 int8x16 groups of codes, each group's dot times
 // its integer scale summed in 32 bits over the whole super-block (exact),
