@@ -160,7 +160,7 @@ struct FQ5_1 : Base<Kind::min> {
 // 2 * 31 * 127), times its 6-bit scale in 32 (madd), over the whole
 // super-block before one conversion and one FMA with d * dk; the minimums'
 // part is one FMA of their factors with the blocks' sums (ActQ8::s).
-// Used at the AVX2 level; the AVX-512 level has gemm_formats_512.hpp's.
+// Used at the AVX2 level; the AVX-512 level runs them on 16-row tiles (isa_avx512_rows.cpp).
 template <class Block, bool kFive>
 struct FK45 {
   using Acc = __m256;

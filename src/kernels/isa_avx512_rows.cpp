@@ -1,4 +1,5 @@
-// AVX-512 + VNNI kernels of Q4_0, Q4_1 and Q8_0 weights on 16-row tiles.
+// AVX-512 + VNNI kernels of Q4_0, Q4_1, Q8_0, Q4_K and Q5_K weights on 16-row
+// tiles (Q4_K/Q5_K: see FK45Rows below).
 // Built with AVX-512 flags; reached only through isa.cpp after the CPU check.
 //
 // A block column of 16 rows (16 x 32 codes) is transposed so that 32-bit
@@ -80,14 +81,13 @@ template <class Block>
   }
 }
 
-// Codes of Q8_0: 32 bytes per row, transposed 8x8 within each 256-bit half
-// (half H of Z_j holds row j + 8H), then offset to unsigned.
-[[gnu::always_inline]] inline void transpose_bytes32(const RowTile& t, std::int64_t b, Tile& out) {
+// 32 bytes per row (at ptr(r)), transposed 8x8 within each 256-bit half
+// (half H of Z_j holds row j + 8H): lane r of out[k] holds bytes 4k..4k+3 of row r.
+template <class Ptr>
+[[gnu::always_inline]] inline void transpose32(Ptr ptr, __m512i* out) {
   __m512i z[8];
   for (int j = 0; j < 8; ++j) {
-    const auto qs = [&](int r) {
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const BlockQ8_0*>(t.row(r))[b].qs));
-    };
+    const auto qs = [&](int r) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ptr(r))); };
     z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(qs(j)), qs(j + 8), 1);
   }
   __m512i u[8];
@@ -102,11 +102,17 @@ template <class Block>
   }
   // u[c] / u[4 + c]: dwords c (128-bit lanes 0, 2) and c + 4 (lanes 1, 3) of rows 0-3 / 4-7 of each half.
   const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int c = 0; c < 4; ++c) {
-    out.w[c] = _mm512_xor_si512(_mm512_permutex2var_epi64(u[c], lo, u[4 + c]), flip);
-    out.w[c + 4] = _mm512_xor_si512(_mm512_permutex2var_epi64(u[c], hi, u[4 + c]), flip);
+    out[c] = _mm512_permutex2var_epi64(u[c], lo, u[4 + c]);
+    out[c + 4] = _mm512_permutex2var_epi64(u[c], hi, u[4 + c]);
   }
+}
+
+// Codes of Q8_0, offset to unsigned.
+[[gnu::always_inline]] inline void transpose_bytes32(const RowTile& t, std::int64_t b, Tile& out) {
+  transpose32([&](int r) { return reinterpret_cast<const BlockQ8_0*>(t.row(r))[b].qs; }, out.w);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int k = 0; k < 8; ++k) out.w[k] = _mm512_xor_si512(out.w[k], flip);
 }
 
 struct FQ4_0 {
@@ -254,10 +260,171 @@ void gemm_rows(const GemmArgs& a) {
   }
 }
 
+// ---- Q4_K / Q5_K on 16-row tiles, with the super-block activations ----
+// (kernel_table.hpp ActQ8::dk.) A step is sub-block j of super-block sb: its
+// 16 rows' 32 codes transposed as above, so eight vpdpbusd leave each row's
+// integer sub-block dot in its lane; times the rows' 6-bit scales (vpmulld)
+// it is summed in integers over the super-block, then converted once and
+// scaled by d_r * dk. The minimums' part is an FMA per sub-block with the
+// activation block's sum (ActQ8::s). The 16 rows' packed scales are unpacked
+// together, lane by lane (scales_mins_k4's arithmetic on gathered dwords).
+struct TileK {
+  __m512i w[8];
+  __m512i sc;   // lane r: row r's scale of this sub-block
+  __m512 mins;  // lane r: -dmin_r * m_j
+  __m512 d;     // lane r: row r's d
+};
+
+template <class Block, bool kFive>
+struct FK45Rows {
+  // The 8 sub-block tiles of super-block sb.
+  [[gnu::always_inline]] static void decode(const RowTile& t, std::int64_t sb, TileK* out) {
+    const __m512i idx = _mm512_load_si512(t.off);
+    const std::uint8_t* base = t.base + static_cast<std::size_t>(sb) * sizeof(Block);
+    const __m512i head = _mm512_i32gather_epi32(idx, base, 1);
+    const __m512 d = low_f16(head), neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), low_f16(_mm512_srli_epi32(head, 16)));
+    const std::uint8_t* sp = base + offsetof(Block, scales);
+    const __m512i u0 = _mm512_i32gather_epi32(idx, sp, 1), u1 = _mm512_i32gather_epi32(idx, sp + 4, 1),
+                  u2 = _mm512_i32gather_epi32(idx, sp + 8, 1);
+    const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),
+                  low2 = _mm512_set1_epi32(0x03030303);
+    const __m512i sm[4] = {
+        _mm512_and_si512(u0, low6),  // scales 0-3
+        _mm512_or_si512(_mm512_and_si512(u2, low4),
+                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), low2), 4)),
+        _mm512_and_si512(u1, low6),  // minimums 0-3
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), low4),
+                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), low2), 4))};
+    __m512i h[8];
+    if constexpr (kFive)
+      transpose32([&](int r) { return reinterpret_cast<const Block*>(t.row(r))[sb].qh; }, h);
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c and 2c + 1 share their 32 bytes
+      __m512i raw[8];
+      transpose32([&](int r) { return reinterpret_cast<const Block*>(t.row(r))[sb].qs + 32 * c; }, raw);
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * c + half;
+        TileK& o = out[j];
+        for (int k = 0; k < 8; ++k) {
+          __m512i u = _mm512_and_si512(half ? _mm512_srli_epi16(raw[k], 4) : raw[k], _mm512_set1_epi8(0x0f));
+          if constexpr (kFive) {  // bit j of qh byte l: the 5th bit of value l
+            const __m512i bit = _mm512_and_si512(_mm512_srli_epi16(h[k], j), _mm512_set1_epi8(1));
+            u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 4));
+          }
+          o.w[k] = u;
+        }
+        const auto byte_of = [&](__m512i v, int i) {
+          return _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xff));
+        };
+        o.sc = byte_of(sm[j / 4], j % 4);
+        o.mins = _mm512_mul_ps(_mm512_cvtepi32_ps(byte_of(sm[2 + j / 4], j % 4)), neg_dmin);
+        o.d = d;
+      }
+    }
+  }
+};
+
+// acc[t] += the 16 rows' dots with super-block sb of token t0 + t.
+template <int T>
+inline void mac_k(__m512* acc, const TileK* w, const ActQ8& act, std::int64_t t0, std::int64_t sb) {
+  const std::int64_t nsb = act.cols / kQK_K;
+  __m512i isum[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) isum[t] = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j) {
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const std::int64_t blk = ((t0 + t) * nsb + sb) * 8 + j;
+      const std::int8_t* x = act.qs + 32 * blk;
+      __m512i p = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        std::int32_t x4;
+        std::memcpy(&x4, x + 4 * k, 4);
+        p = _mm512_dpbusd_epi32(p, w[j].w[k], _mm512_set1_epi32(x4));
+      }
+      isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(p, w[j].sc));
+      acc[t] = _mm512_fmadd_ps(w[j].mins, _mm512_set1_ps(act.s[blk]), acc[t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    const __m512 scale = _mm512_mul_ps(w[0].d, _mm512_set1_ps(act.dk[(t0 + t) * nsb + sb]));
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), scale, acc[t]);
+  }
+}
+
+TileK* tile_k_buffer(std::size_t n) {
+  struct Buffer {
+    TileK* p = nullptr;
+    std::size_t cap = 0;
+    ~Buffer() { ::operator delete[](p, std::align_val_t(64)); }
+  };
+  thread_local Buffer b;
+  if (b.cap < n) {
+    ::operator delete[](b.p, std::align_val_t(64));
+    b.p = static_cast<TileK*>(::operator new[](n * sizeof(TileK), std::align_val_t(64)));
+    b.cap = n;
+  }
+  return b.p;
+}
+
+template <class F, int T>
+void gemv_k_tokens(const GemmArgs& a) {
+  const std::int64_t nsb = a.cols / kQK_K;
+  for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) {
+    const RowTile rt = row_tile(a, r0);
+    __m512 acc[T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (std::int64_t sb = 0; sb < nsb; ++sb) {
+      prefetch_slice(a, rt, sb, nsb);
+      TileK w[8];
+      F::decode(rt, sb, w);
+      mac_k<T>(acc, w, a.act, 0, sb);
+    }
+    store<T>(a, rt, r0, 0, acc);
+  }
+}
+
+template <int T>
+void tokens_k_from_buffer(const GemmArgs& a, const RowTile& rt, std::int64_t r0, const TileK* buf, std::int64_t t0) {
+  __m512 acc[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (std::int64_t sb = 0; sb < a.cols / kQK_K; ++sb) mac_k<T>(acc, buf + 8 * sb, a.act, t0, sb);
+  store<T>(a, rt, r0, t0, acc);
+}
+
+template <class F>
+void gemm_k_rows(const GemmArgs& a) {
+  switch (a.n_tokens) {
+    case 1: return gemv_k_tokens<F, 1>(a);
+    case 2: return gemv_k_tokens<F, 2>(a);
+    case 3: return gemv_k_tokens<F, 3>(a);
+    case 4: return gemv_k_tokens<F, 4>(a);
+    default: break;
+  }
+  constexpr std::int64_t kTokenChunk = 64;
+  const std::int64_t nsb = a.cols / kQK_K;
+  TileK* buf = tile_k_buffer(static_cast<std::size_t>(8 * nsb));
+  for (std::int64_t tc = 0; tc < a.n_tokens; tc += kTokenChunk) {
+    const std::int64_t tc_end = tc + kTokenChunk < a.n_tokens ? tc + kTokenChunk : a.n_tokens;
+    for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) {
+      const RowTile rt = row_tile(a, r0);
+      for (std::int64_t sb = 0; sb < nsb; ++sb) F::decode(rt, sb, buf + 8 * sb);
+      std::int64_t t = tc;
+      for (; t + 4 <= tc_end; t += 4) tokens_k_from_buffer<4>(a, rt, r0, buf, t);
+      for (; t < tc_end; ++t) tokens_k_from_buffer<1>(a, rt, r0, buf, t);
+    }
+  }
+}
+
 }  // namespace
 
 void gemm_q8_0(const GemmArgs& a) { gemm_rows<FQ8_0, sizeof(BlockQ8_0)>(a); }
 void gemm_q4_0(const GemmArgs& a) { gemm_rows<FQ4_0, sizeof(BlockQ4_0)>(a); }
 void gemm_q4_1(const GemmArgs& a) { gemm_rows<FQ4_1, sizeof(BlockQ4_1)>(a); }
+void gemm_q4_k_rows(const GemmArgs& a) { gemm_k_rows<FK45Rows<BlockQ4_K, false>>(a); }
+void gemm_q5_k_rows(const GemmArgs& a) { gemm_k_rows<FK45Rows<BlockQ5_K, true>>(a); }
 
 }  // namespace qkvshare::kernels::detail::avx512
