@@ -16,6 +16,7 @@
 #include <cstring>
 #include <new>
 
+#include "gemm_tiles.hpp"  // step_buffer
 #include "kernel_table.hpp"
 #include "qkvshare/kernels/quant.hpp"  // block layouts only
 #include "simd_intrin.hpp"
@@ -212,21 +213,6 @@ void tokens_from_buffer(const GemmArgs& a, const RowTile& rt, std::int64_t r0, c
   store<T>(a, rt, r0, t0, acc);
 }
 
-Tile* tile_buffer(std::size_t n) {
-  struct Buffer {
-    Tile* p = nullptr;
-    std::size_t cap = 0;
-    ~Buffer() { ::operator delete[](p, std::align_val_t(64)); }
-  };
-  thread_local Buffer b;
-  if (b.cap < n) {
-    ::operator delete[](b.p, std::align_val_t(64));
-    b.p = static_cast<Tile*>(::operator new[](n * sizeof(Tile), std::align_val_t(64)));
-    b.cap = n;
-  }
-  return b.p;
-}
-
 // Prefill: tokens go in chunks whose activations stay in L2; within a chunk
 // each 16-row tile is decoded once into this thread's buffer and swept over
 // the chunk's tokens, kT at a time.
@@ -246,7 +232,7 @@ void gemm_rows(const GemmArgs& a) {
   }
   constexpr int kT = 8;
   constexpr std::int64_t kTokenChunk = 64;
-  Tile* buf = tile_buffer(static_cast<std::size_t>(nb));
+  Tile* buf = step_buffer<Tile>(static_cast<std::size_t>(nb));
   for (std::int64_t tc = 0; tc < a.n_tokens; tc += kTokenChunk) {
     const std::int64_t tc_end = tc + kTokenChunk < a.n_tokens ? tc + kTokenChunk : a.n_tokens;
     for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) {
@@ -353,21 +339,6 @@ inline void mac_k(__m512* acc, const TileK* w, const ActQ8& act, std::int64_t t0
   }
 }
 
-TileK* tile_k_buffer(std::size_t n) {
-  struct Buffer {
-    TileK* p = nullptr;
-    std::size_t cap = 0;
-    ~Buffer() { ::operator delete[](p, std::align_val_t(64)); }
-  };
-  thread_local Buffer b;
-  if (b.cap < n) {
-    ::operator delete[](b.p, std::align_val_t(64));
-    b.p = static_cast<TileK*>(::operator new[](n * sizeof(TileK), std::align_val_t(64)));
-    b.cap = n;
-  }
-  return b.p;
-}
-
 template <class F, int T>
 void gemv_k_tokens(const GemmArgs& a) {
   const std::int64_t nsb = a.cols / kQK_K;
@@ -406,7 +377,7 @@ void gemm_k_rows(const GemmArgs& a) {
   }
   constexpr std::int64_t kTokenChunk = 64;
   const std::int64_t nsb = a.cols / kQK_K;
-  TileK* buf = tile_k_buffer(static_cast<std::size_t>(8 * nsb));
+  TileK* buf = step_buffer<TileK>(static_cast<std::size_t>(8 * nsb));
   for (std::int64_t tc = 0; tc < a.n_tokens; tc += kTokenChunk) {
     const std::int64_t tc_end = tc + kTokenChunk < a.n_tokens ? tc + kTokenChunk : a.n_tokens;
     for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) {

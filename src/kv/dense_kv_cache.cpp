@@ -68,15 +68,7 @@ AttendWork& DenseKvCache::plan_attend(int layer, int n, const float* q, float* o
       tiles_[half + i] = reinterpret_cast<const std::byte*>(&v_[offset(layer, h, b * T)]);
     }
   codecs_.assign(static_cast<std::size_t>(blocks), KvCodec::f32());
-  kv::AttendInput in;
-  in.shape = shape_;
-  in.block_tokens = T;
-  in.n_blocks = blocks;
-  in.first_pos = size_;
-  if (window > 0) in.visible_from = size_ + 1 - window;
-  in.n = n;
-  in.q = q;
-  in.out = out;
+  kv::AttendInput in = kv::causal_input(shape_, T, blocks, size_, n, q, out, window);
   in.k_tiles = tiles_.data();
   in.v_tiles = tiles_.data() + half;
   in.k_codecs = codecs_.data();

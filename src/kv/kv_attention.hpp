@@ -60,6 +60,23 @@ struct AttendInput {
   int key_total() const noexcept { return key_end >= 0 ? key_end : first_pos + n; }
 };
 
+// The causal attention of n queries at positions first_pos.. over n_blocks
+// blocks (a sliding window when window > 0, KvCache::plan_attend's rule); the
+// caller adds tiles and codecs.
+inline AttendInput causal_input(const KvShape& shape, int block_tokens, int n_blocks, int first_pos, int n,
+                                const float* q, float* out, int window) {
+  AttendInput in;
+  in.shape = shape;
+  in.block_tokens = block_tokens;
+  in.n_blocks = n_blocks;
+  in.first_pos = first_pos;
+  if (window > 0) in.visible_from = first_pos + 1 - window;
+  in.n = n;
+  in.q = q;
+  in.out = out;
+  return in;
+}
+
 // The attention of one AttendInput as independent jobs (see AttendWork):
 // exact path, one job per (query token, query head); otherwise one per (KV
 // head, chunk of query tokens, key partition), partitions merged in finish().

@@ -437,15 +437,7 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
       tiles[i] = pass_tile(b, 0, layer, h);
       tiles[half + i] = pass_tile(b, 1, layer, h);
     }
-  kv::AttendInput in;
-  in.shape = s;
-  in.block_tokens = pool_->block_tokens();
-  in.n_blocks = blocks;
-  in.first_pos = size_;
-  if (window > 0) in.visible_from = size_ + 1 - window;
-  in.n = n;
-  in.q = q;
-  in.out = out;
+  kv::AttendInput in = kv::causal_input(s, pool_->block_tokens(), blocks, size_, n, q, out, window);
   in.k_tiles = tiles.data();
   in.v_tiles = tiles.data() + half;
   in.k_codecs = step_->view_k.data();
