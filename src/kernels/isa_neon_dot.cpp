@@ -11,18 +11,6 @@ namespace qkvshare::kernels::detail::neon_dot {
 void gemm_f32(const GemmArgs& a) { neon::gemm_f32(a); }
 void gemm_f16(const GemmArgs& a) { neon::gemm_f16(a); }
 void gemm_bf16(const GemmArgs& a) { neon::gemm_bf16(a); }
-void gemm_q8_0(const GemmArgs& a) { gemm_tiled<FQ8_0, 2, 2>(a); }
-void gemm_q4_0(const GemmArgs& a) { gemm_tiled<FQ4_0, 2, 2>(a); }
-void gemm_q4_1(const GemmArgs& a) { gemm_tiled<FQ4_1, 2, 2>(a); }
-void gemm_q6_k(const GemmArgs& a) { gemm_tiled<FQ6_K, 2, 2>(a); }
-void gemm_q5_0(const GemmArgs& a) { gemm_tiled<FQ5_0, 2, 2>(a); }
-void gemm_q5_1(const GemmArgs& a) { gemm_tiled<FQ5_1, 2, 2>(a); }
-void gemm_q2_k(const GemmArgs& a) { gemm_tiled<FQ2_K, 2, 2>(a); }
-void gemm_q3_k(const GemmArgs& a) { gemm_tiled<FQ3_K, 2, 2>(a); }
-void gemm_q4_k(const GemmArgs& a) { gemm_tiled<FQ4_K, 2, 2>(a); }
-void gemm_q5_k(const GemmArgs& a) { gemm_tiled<FQ5_K, 2, 2>(a); }
-void gemm_iq4_nl(const GemmArgs& a) { gemm_tiled<FIQ4_NL, 2, 2>(a); }
-void gemm_iq4_xs(const GemmArgs& a) { gemm_tiled<FIQ4_XS, 2, 2>(a); }
 void quantize_act(const float* x, std::int64_t n, std::int32_t bias_mult, const ActQ8Out& out) {
   neon::quantize_act(x, n, bias_mult, out);
 }

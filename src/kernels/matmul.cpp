@@ -15,11 +15,6 @@ namespace {
 using detail::GemmArgs;
 using detail::KernelTable;
 
-// Every block type multiplies 8-bit activations; only the float types do not.
-bool quantizes_activations(GgmlType type) {
-  return type != GgmlType::F32 && type != GgmlType::F16 && type != GgmlType::BF16;
-}
-
 std::int32_t bias_mult(GgmlType type) {
   switch (type) {
     case GgmlType::Q4_0: return detail::kBiasQ4_0;
@@ -68,9 +63,11 @@ struct ActBuffers {
 constexpr std::int32_t kFloatActs = -1;
 constexpr std::int32_t kSuperBlockActs = -2;
 std::int32_t activation_kind(GgmlType type) {
-  if (!quantizes_activations(type)) return kFloatActs;
-  if (type == GgmlType::Q4_K || type == GgmlType::Q5_K || type == GgmlType::Q6_K) return kSuperBlockActs;
-  return -bias_mult(type);
+  switch (activation_block(type)) {
+    case 0: return kFloatActs;
+    case kQK_K: return kSuperBlockActs;
+    default: return -bias_mult(type);
+  }
 }
 
 detail::ActQ8 quantize_activations(ThreadPool& pool, const KernelTable& k, const float* x, std::int64_t n_tokens,
@@ -126,6 +123,18 @@ void check_shapes(const TensorView& w, std::int64_t cols) {
 constexpr std::size_t kRowGrain = 16;
 
 }  // namespace
+
+int activation_block(GgmlType type) noexcept {
+  switch (type) {
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16: return 0;
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K: return kQK_K;
+    default: return kQK;
+  }
+}
 
 void dequantize_row(const TensorView& w, std::int64_t r, float* dst) {
   QKV_CHECK(r >= 0 && r < w.rows());

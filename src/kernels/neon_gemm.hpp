@@ -421,4 +421,20 @@ using FQ4_K = FK45<BlockQ4_K, false>;
 using FQ5_K = FK45<BlockQ5_K, true>;
 
 }  // namespace
+
+// The quantized matmul entry points of the including level: the same text for
+// both, each compiled with its own dot (QKVSHARE_NEON_DOT).
+void gemm_q8_0(const GemmArgs& a) { gemm_tiled<FQ8_0, 2, 2>(a); }
+void gemm_q4_0(const GemmArgs& a) { gemm_tiled<FQ4_0, 2, 2>(a); }
+void gemm_q4_1(const GemmArgs& a) { gemm_tiled<FQ4_1, 2, 2>(a); }
+void gemm_q6_k(const GemmArgs& a) { gemm_tiled<FQ6_K, 2, 2>(a); }
+void gemm_q5_0(const GemmArgs& a) { gemm_tiled<FQ5_0, 2, 2>(a); }
+void gemm_q5_1(const GemmArgs& a) { gemm_tiled<FQ5_1, 2, 2>(a); }
+void gemm_q2_k(const GemmArgs& a) { gemm_tiled<FQ2_K, 2, 2>(a); }
+void gemm_q3_k(const GemmArgs& a) { gemm_tiled<FQ3_K, 2, 2>(a); }
+void gemm_q4_k(const GemmArgs& a) { gemm_tiled<FQ4_K, 2, 2>(a); }
+void gemm_q5_k(const GemmArgs& a) { gemm_tiled<FQ5_K, 2, 2>(a); }
+void gemm_iq4_nl(const GemmArgs& a) { gemm_tiled<FIQ4_NL, 2, 2>(a); }
+void gemm_iq4_xs(const GemmArgs& a) { gemm_tiled<FIQ4_XS, 2, 2>(a); }
+
 }  // namespace qkvshare::kernels::detail::QKVSHARE_NEON_NS

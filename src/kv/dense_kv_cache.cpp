@@ -67,7 +67,8 @@ AttendWork& DenseKvCache::plan_attend(int layer, int n, const float* q, float* o
       tiles_[i] = reinterpret_cast<const std::byte*>(&k_[offset(layer, h, b * T)]);
       tiles_[half + i] = reinterpret_cast<const std::byte*>(&v_[offset(layer, h, b * T)]);
     }
-  codecs_.assign(static_cast<std::size_t>(blocks), KvCodec::f32());
+  if (codecs_.size() < static_cast<std::size_t>(blocks))  // every tile is f32: grown, never rewritten
+    codecs_.resize(static_cast<std::size_t>(blocks), KvCodec::f32());
   kv::AttendInput in = kv::causal_input(shape_, T, blocks, size_, n, q, out, window);
   in.k_tiles = tiles_.data();
   in.v_tiles = tiles_.data() + half;

@@ -40,9 +40,7 @@ struct IsaGuard {
   IsaGuard& operator=(const IsaGuard&) = delete;
 };
 
-inline bool quantizes_activations(GgmlType t) {
-  return t != GgmlType::F32 && t != GgmlType::F16 && t != GgmlType::BF16;
-}
+inline bool quantizes_activations(GgmlType t) { return activation_block(t) != 0; }
 
 // Every block-quantized weight type the kernels multiply.
 inline constexpr GgmlType kBlockTypes[] = {GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q6_K,
@@ -173,9 +171,7 @@ inline DotBound dot_error_bound(GgmlType type, const float* wmag, const float* x
   double sum_abs = 0.0;
   DotBound out;
   const bool q8 = quantizes_activations(type);
-  // Activations are rounded per block of 32, or per super-block of 256 for Q4_K, Q5_K and Q6_K.
-  const bool super = type == GgmlType::Q4_K || type == GgmlType::Q5_K || type == GgmlType::Q6_K;
-  const std::int64_t ab = super ? kQK_K : kQK;
+  const std::int64_t ab = q8 ? activation_block(type) : kQK;
   for (std::int64_t b0 = 0; b0 < cols; b0 += ab) {
     const std::int64_t n = std::min<std::int64_t>(ab, cols - b0);
     double amax = 0.0, wsum = 0.0;

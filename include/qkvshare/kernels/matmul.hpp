@@ -2,11 +2,12 @@
 // Products of a weight matrix (stored format, one row per output) with
 // activations: y[t][r] = W.row(r) . x[t] for t < n_tokens.
 //
-// F32, F16 and BF16 weights multiply f32 activations. Q8_0, Q4_0, Q4_1 and
-// Q6_K weights multiply activations rounded to 8 bits per block of 32 (as
-// llama.cpp does): each dot is then off by at most sum_b amax_b / 254 *
-// sum_{i in b} |w_i| plus f32 rounding (tests/kernels derives the bound).
-// The kernels come from the active ISA level (kernels/isa.hpp).
+// F32, F16 and BF16 weights multiply f32 activations. The block-quantized
+// types multiply activations rounded to 8 bits per block of
+// activation_block(type) values (as llama.cpp does): each dot is then off by
+// at most sum_b amax_b / 254 * sum_{i in b} |w_i| plus f32 rounding
+// (tests/kernels derives the bound). The kernels come from the active ISA
+// level (kernels/isa.hpp).
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -15,6 +16,11 @@
 #include "qkvshare/tensor/tensor.hpp"
 
 namespace qkvshare::kernels {
+
+// Values per 8-bit activation scale for weights of `type`: 0 for the float
+// types (f32 activations), 256 for Q4_K, Q5_K and Q6_K (ggml's Q8_K), 32 for
+// the other block types.
+int activation_block(GgmlType type) noexcept;
 
 void matmul(ThreadPool& pool, const TensorView& w, const float* x, std::int64_t n_tokens, float* y);
 
