@@ -54,7 +54,7 @@ void Engine::build_float_weights() {
 
 KvShape Engine::kv_shape() const noexcept {
   const ModelConfig& c = model_.config();
-  return KvShape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim};
+  return KvShape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.layer_window};
 }
 
 std::size_t Engine::float_copy_bytes() const noexcept {

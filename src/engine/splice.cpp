@@ -40,8 +40,10 @@ double splice_probe(Engine& engine, const Session& session, const PooledKvCache&
   const KvShape s = engine.kv_shape();
   std::vector<float> a(static_cast<std::size_t>(k) * s.head_dim), b(a.size());
   double num = 0, den = 0;
+  // Layers whose rows the source left behind (a sliding window's) are not compared.
+  const bool windowed_gone = begin < src.windowed_kept_from();
   for (int l = 0; l < s.n_layers; ++l)
-    for (int h = 0; h < s.n_kv_heads; ++h) {
+    for (int h = 0; h < s.n_kv_heads && !(windowed_gone && s.window(l) > 0); ++h) {
       fresh.read_rows(l, 1, h, session.n_past(), k, a.data());
       src.read_rows(l, 1, h, begin, k, b.data());
       for (std::size_t i = 0; i < a.size(); ++i) {

@@ -26,14 +26,21 @@ KvPool::BlockHeader& KvPool::checked(BlockRef ref) const {
   return b;
 }
 
-std::uint32_t KvPool::pages_for(const KvCodec& k, const KvCodec& v) const {
-  const auto tiles = static_cast<std::uint32_t>(shape_.n_layers * shape_.n_kv_heads);
+namespace {
+bool window_freed(std::uint32_t flags) noexcept { return (flags & kBlockWindowFreed) != 0; }
+}  // namespace
+
+std::uint32_t KvPool::pages_for(const KvCodec& k, const KvCodec& v, std::uint32_t flags) const {
+  const auto tiles = static_cast<std::uint32_t>(shape_.stored_layers(window_freed(flags)) * shape_.n_kv_heads);
   return kind_pages(tile_layout(k, block_tokens_, shape_.head_dim), page_bytes_, tiles) +
          kind_pages(tile_layout(v, block_tokens_, shape_.head_dim), page_bytes_, tiles);
 }
 
 BlockRef KvPool::allocate(const KvCodec& k, const KvCodec& v, std::uint32_t flags, int key_position) {
-  const std::uint32_t need = pages_for(k, v);  // validates the codecs against the head
+  if (window_freed(flags) && !shape_.frees_windowed())
+    fail(ErrorCode::invalid_argument, "KV pool: a block without its windowed layers, in a pool whose layers are "
+                                      "not both windowed and global");
+  const std::uint32_t need = pages_for(k, v, flags);  // validates the codecs against the head
   QKV_CHECK(need <= max_pages_);
   std::lock_guard lock(*lock_);
   Header& h = header();
@@ -196,10 +203,14 @@ std::uint64_t KvPool::hash_tiles(const BlockHeader& b, BlockRef ref) const {
   if (st == nullptr) fail(ErrorCode::out_of_memory, "cannot allocate a hash state");
   XXH3_64bits_reset(st);
   XXH3_64bits_update(st, codecs, sizeof codecs);
+  // A block of the global layers alone says so (a full block's hash is unchanged by this).
+  const bool freed = window_freed(b.flags);
+  if (freed) XXH3_64bits_update(st, &kBlockWindowFreed, sizeof kBlockWindowFreed);
   for (int kind = 0; kind < 2; ++kind) {
     const std::size_t bytes = tile_layout(KvCodec::unpack(codecs[kind]), block_tokens_, shape_.head_dim).bytes;
     for (int l = 0; l < shape_.n_layers; ++l)
-      for (int h = 0; h < shape_.n_kv_heads; ++h) XXH3_64bits_update(st, tile(ref, kind, l, h), bytes);
+      if (shape_.stored_index(l, freed) >= 0)
+        for (int h = 0; h < shape_.n_kv_heads; ++h) XXH3_64bits_update(st, tile(ref, kind, l, h), bytes);
   }
   const std::uint64_t d = XXH3_64bits_digest(st);
   XXH3_freeState(st);
@@ -243,12 +254,24 @@ bool KvPool::checksum_kept(BlockRef ref) const {
   return checked(ref).checksum_tag.load(std::memory_order_acquire) == checksum_tag(ref);
 }
 
+bool KvPool::stores_layer(BlockRef ref, int layer) const {
+  return shape_.stored_index(layer, window_freed(checked(ref).flags)) >= 0;
+}
+
+const std::byte* KvPool::stored_tile(BlockRef ref, int kind, int layer, int head) const {
+  const BlockHeader& b = block(ref.index);
+  return shape_.stored_index(layer, window_freed(b.flags)) < 0 ? nullptr : tile(ref, kind, layer, head);
+}
+
 std::byte* KvPool::tile(BlockRef ref, int kind, int layer, int head) const {
   BlockHeader& b = block(ref.index);
   const KvCodec kc = KvCodec::unpack(b.k_codec);
   const TileLayout lk = tile_layout(kc, block_tokens_, shape_.head_dim);
-  const auto tiles = static_cast<std::uint32_t>(shape_.n_layers * shape_.n_kv_heads);
-  const auto i = static_cast<std::uint32_t>(layer * shape_.n_kv_heads + head);
+  const bool freed = window_freed(b.flags);
+  const int stored = shape_.stored_index(layer, freed);
+  QKV_CHECK(stored >= 0);  // a windowed layer's tile that the block left behind
+  const auto tiles = static_cast<std::uint32_t>(shape_.stored_layers(freed) * shape_.n_kv_heads);
+  const auto i = static_cast<std::uint32_t>(stored * shape_.n_kv_heads + head);
   std::uint32_t slot = 0;
   std::size_t offset = 0;
   if (kind == 0) {
@@ -263,6 +286,22 @@ std::byte* KvPool::tile(BlockRef ref, int kind, int layer, int head) const {
   }
   QKV_CHECK(slot < b.n_pages);
   return base_ + pages_offset_ + static_cast<std::size_t>(b.pages()[slot]) * page_bytes_ + offset;
+}
+
+BlockRef KvPool::without_windowed_layers(BlockRef ref) {
+  const BlockInfo from = info(ref);
+  QKV_CHECK(static_cast<int>(from.fill) == block_tokens_ && !window_freed(from.flags));
+  const BlockRef to = allocate(from.k, from.v, from.flags | kBlockWindowFreed, from.key_position);
+  const std::size_t kb = tile_layout(from.k, block_tokens_, shape_.head_dim).bytes,
+                    vb = tile_layout(from.v, block_tokens_, shape_.head_dim).bytes;
+  for (int l = 0; l < shape_.n_layers; ++l)
+    if (shape_.window(l) == 0)
+      for (int h = 0; h < shape_.n_kv_heads; ++h) {
+        std::memcpy(tile(to, 0, l, h), tile(ref, 0, l, h), kb);
+        std::memcpy(tile(to, 1, l, h), tile(ref, 1, l, h), vb);
+      }
+  set_fill(to, block_tokens_);
+  return to;
 }
 
 std::size_t KvPool::block_bytes(BlockRef ref) const { return static_cast<std::size_t>(checked(ref).n_pages) * page_bytes_; }

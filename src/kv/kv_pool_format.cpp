@@ -25,6 +25,19 @@ HeapArena::HeapArena(std::size_t bytes) : size_(bytes) {
 }
 void HeapArena::Free::operator()(std::byte* p) const noexcept { ::munmap(p, bytes); }
 
+// The shape a header names, windows included (none when every entry is 0).
+KvShape KvPool::shape_of(const Header& h) {
+  KvShape s{static_cast<int>(h.n_layers), static_cast<int>(h.n_heads), static_cast<int>(h.n_kv_heads),
+            static_cast<int>(h.head_dim)};
+  const std::size_t layers = std::min<std::size_t>(h.n_layers, kMaxWindowLayers);
+  if (std::any_of(h.layer_window, h.layer_window + layers, [](std::uint32_t w) { return w != 0; })) {
+    s.layer_window.resize(layers);
+    for (std::size_t l = 0; l < layers; ++l)
+      s.layer_window[l] = static_cast<int>(std::min<std::uint32_t>(h.layer_window[l], 1u << 30));
+  }
+  return s;
+}
+
 KvPool::KvPool(std::unique_ptr<Arena> arena, std::unique_ptr<PoolLock> lock)
     : arena_(std::move(arena)), lock_(lock ? std::move(lock) : std::make_unique<LocalPoolLock>()) {
   if (!arena_) fail(ErrorCode::invalid_argument, "KV pool: no arena");
@@ -72,6 +85,8 @@ std::shared_ptr<KvPool> KvPool::create(const PoolConfig& config, std::unique_ptr
   h->blocks_offset = o.blocks;
   h->page_next_offset = o.page_next;
   h->pages_offset = o.pages;
+  for (std::size_t l = 0; l < config.shape.layer_window.size(); ++l)
+    h->layer_window[l] = static_cast<std::uint32_t>(config.shape.layer_window[l]);
   pool->bind();
   // Free lists in index order, so the first allocations take low addresses.
   for (std::uint32_t i = 0; i < o.n_blocks; ++i) {
@@ -97,10 +112,9 @@ std::shared_ptr<KvPool> KvPool::attach(std::unique_ptr<Arena> arena, std::unique
   if (h.version != kVersion || h.header_bytes != kHeaderBytes)
     fail(ErrorCode::invalid_argument, "KV pool arena: version {} / header {} bytes, expected {} / {}", h.version,
          h.header_bytes, kVersion, kHeaderBytes);
-  const KvShape shape{static_cast<int>(h.n_layers), static_cast<int>(h.n_heads), static_cast<int>(h.n_kv_heads),
-                      static_cast<int>(h.head_dim)};
   if (h.n_layers > 4096 || h.n_heads > 4096 || h.head_dim > 4096)
     fail(ErrorCode::invalid_argument, "KV pool arena: implausible shape");
+  const KvShape shape = shape_of(h);
   const Geometry g = geometry_of(shape, static_cast<int>(h.block_tokens));
   const Offsets o = offsets_for(g, h.n_pages);
   if (h.page_bytes != g.page_bytes || h.max_pages != g.max_pages || h.block_stride != g.block_stride ||
@@ -120,8 +134,7 @@ void KvPool::bind() {
   static_assert(sizeof(Header) <= kHeaderBytes);
   static_assert(sizeof(BlockHeader) == kBlockHeaderBytes);  // the stride in kv_pool_layout.hpp
   const Header& h = header();
-  shape_ = KvShape{static_cast<int>(h.n_layers), static_cast<int>(h.n_heads), static_cast<int>(h.n_kv_heads),
-                   static_cast<int>(h.head_dim)};
+  shape_ = shape_of(h);
   block_tokens_ = static_cast<int>(h.block_tokens);
   page_bytes_ = h.page_bytes;
   n_pages_ = h.n_pages;

@@ -38,20 +38,30 @@ inline std::uint32_t kind_pages(const TileLayout& l, std::size_t page_bytes, std
   return (tiles + per_page - 1) / per_page;
 }
 
+// Layers a pool header can name windows for (KvShape::layer_window).
+inline constexpr std::size_t kMaxWindowLayers = 512;
+
 inline Geometry geometry_of(const KvShape& s, int block_tokens) {
   if (s.n_layers <= 0 || s.n_kv_heads <= 0 || s.n_heads <= 0 || s.head_dim <= 0 || s.n_heads % s.n_kv_heads != 0)
     fail(ErrorCode::invalid_argument, "KV pool: bad shape ({} layers, {} heads, {} KV heads, head_dim {})", s.n_layers,
          s.n_heads, s.n_kv_heads, s.head_dim);
   if (block_tokens <= 0 || block_tokens > 4096 || (block_tokens & (block_tokens - 1)) != 0)
     fail(ErrorCode::invalid_argument, "KV pool: block size {} is not a power of two in [1, 4096]", block_tokens);
+  if (!s.layer_window.empty() && (s.layer_window.size() != static_cast<std::size_t>(s.n_layers) ||
+                                  s.layer_window.size() > kMaxWindowLayers ||
+                                  std::any_of(s.layer_window.begin(), s.layer_window.end(), [](int w) { return w < 0; })))
+    fail(ErrorCode::invalid_argument, "KV pool: {} layer windows for {} layers (at most {}, none negative)",
+         s.layer_window.size(), s.n_layers, kMaxWindowLayers);
   Geometry g;
   const TileLayout f32 = tile_layout(KvCodec::f32(), block_tokens, s.head_dim);
   g.page_bytes = round_up(f32.bytes, 64);
   const auto tiles = static_cast<std::uint32_t>(s.n_layers * s.n_kv_heads);
   g.max_pages = 2 * kind_pages(f32, g.page_bytes, tiles);
+  // The smallest block: 2-bit codes or pq1, of the global layers alone when windowed layers can be freed.
+  const auto least = static_cast<std::uint32_t>(s.stored_layers(s.frees_windowed()) * s.n_kv_heads);
   const KvCodec q2{KvType::q2, KvAxis::channel, 0}, pq1{KvType::pq, KvAxis::token, 8};
-  g.min_pages = 2 * std::min(kind_pages(tile_layout(q2, block_tokens, s.head_dim), g.page_bytes, tiles),
-                             kind_pages(tile_layout(pq1, block_tokens, s.head_dim), g.page_bytes, tiles));
+  g.min_pages = 2 * std::min(kind_pages(tile_layout(q2, block_tokens, s.head_dim), g.page_bytes, least),
+                             kind_pages(tile_layout(pq1, block_tokens, s.head_dim), g.page_bytes, least));
   g.block_stride = round_up(kBlockHeaderBytes + 4 * static_cast<std::size_t>(g.max_pages), 64);
   return g;
 }
@@ -82,6 +92,8 @@ struct KvPool::Header {
   std::uint32_t free_page_head, free_pages, free_block_head, free_blocks;
   std::uint64_t allocations, frees;
   alignas(64) std::byte lock_area[kLockAreaBytes];
+  // KvShape::layer_window (all zero: no windows).
+  std::uint32_t layer_window[kv_pool_detail::kMaxWindowLayers];
 };
 
 struct KvPool::BlockHeader {

@@ -150,6 +150,7 @@ std::unique_ptr<PooledKvCache> PooledKvCache::fork() const {
   copy->pass_precision_ = pass_precision_;
   copy->observed_ = observed_;
   copy->observed_pos_ = observed_pos_;
+  copy->window_scan_ = window_scan_;
   return copy;
 }
 
@@ -191,12 +192,13 @@ std::unique_ptr<PooledKvCache> PooledKvCache::adopt(std::shared_ptr<KvPool> pool
       // Only rows coded one by one can be partly filled.
       const bool partial = static_cast<int>(info.fill) < T;
       if ((!format.demoted(info.k, info.v) && ((info.k != format.k && info.k != hk) || (info.v != format.v && info.v != hv))) ||
-          info.flags != cache->block_flags() || static_cast<int>(info.fill) < rows_used ||
+          (info.flags & ~kBlockWindowFreed) != cache->block_flags() || static_cast<int>(info.fill) < rows_used ||
           (partial && (info.k.quantized() || info.v.quantized())))
         fail(ErrorCode::invalid_argument, "adopt: block {} holds codecs {:#x}/{:#x} (flags {}, {} rows), not format {}",
              b.index, info.k.pack(), info.v.pack(), info.flags, info.fill, format.to_string());
     }
   }
+  cache->require_windows(cache->segments_, tokens, "adopt");
   if (!tail) cache->segments_.push_back(KvSegment{0, {}, 0, 0});
   cache->size_ = tokens;
   cache->base_ = tokens - cache->segments_.back().tokens;
@@ -238,6 +240,60 @@ const float* PooledKvCache::rope_table(int layer, int end_position, bool inverse
   return inverse ? table->inverse_rows() : table->rows();
 }
 
+int PooledKvCache::windowed_kept_from(const std::vector<KvSegment>& segments) const {
+  const int T = pool_->block_tokens();
+  int from = 0, seg_start = 0;
+  for (const KvSegment& seg : segments) {
+    for (std::size_t b = 0; b < seg.blocks.size(); ++b)
+      if ((pool_->info(seg.blocks[b]).flags & kBlockWindowFreed) != 0)
+        from = std::max(from, seg_start + std::min(seg.tokens, (static_cast<int>(b) + 1) * T - seg.first_row));
+    seg_start += std::max(seg.tokens, 0);
+  }
+  return from;
+}
+
+void PooledKvCache::require_windows(const std::vector<KvSegment>& segments, int tokens, std::string_view what) const {
+  const int from = windowed_kept_from(segments), W = shape().max_window();
+  // A block left behind at token index L is never read again once L <= tokens - W.
+  if (from > 0 && from > tokens - W + 1)
+    fail(ErrorCode::invalid_argument,
+         "{}: tokens before index {} kept only the global layers' KV (they had left the {}-token sliding window); a "
+         "context of {} tokens needs the windowed layers' KV of its last {} tokens: re-prefill them",
+         what, from, W, tokens, W);
+}
+
+void PooledKvCache::free_windowed_layers() {
+  const KvShape& s = shape();
+  if (!s.frees_windowed() || format_.evicts()) return;
+  const int T = pool_->block_tokens();
+  // Tokens before index `dead` are read by the global layers alone from now on.
+  const int dead = size_ + 1 - s.max_window();
+  if (dead < T || dead / T == window_scan_) return;  // no block crossed the window's start since the last scan
+  window_scan_ = dead / T;
+  int seg_start = 0;
+  for (KvSegment& seg : segments_) {
+    for (std::size_t b = 0; b < seg.blocks.size(); ++b) {
+      if (seg_start + std::min(seg.tokens, (static_cast<int>(b) + 1) * T - seg.first_row) > dead) break;
+      BlockRef& ref = seg.blocks[b];
+      const BlockInfo info = pool_->info(ref);
+      // A shared block stays whole: another context may still be within its window.
+      if ((info.flags & kBlockWindowFreed) != 0 || info.refcount != 1 || static_cast<int>(info.fill) != T) continue;
+      BlockRef lean;
+      try {
+        lean = pool_->without_windowed_layers(ref);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::out_of_memory) throw;
+        window_scan_ = 0;  // no room for the copy now: a later commit tries again
+        return;
+      }
+      pool_->release(ref);
+      ref = lean;
+      kv::checksum_later(pool_, lean);
+    }
+    seg_start += std::max(seg.tokens, 0);
+  }
+}
+
 std::size_t PooledKvCache::kv_bytes() const {
   std::size_t total = 0;
   for (const KvSegment& s : segments_)
@@ -274,9 +330,11 @@ void PooledKvCache::plan(int n) {
       const bool touched = (b + 1) * T > done;
       Step::Work w{b, {}, {}, tk, tv, tk, tv, false};
       w.key_pos = next_position() + b * T - done;  // row 0 is this pass's token b * T - done
+      std::uint32_t freed = 0;  // a block recoded keeps the layers it has
       if (b < old_blocks) {
         const BlockRef cur = tail[static_cast<std::size_t>(b)];
         const BlockInfo info = pool_->info(cur);
+        freed = info.flags & kBlockWindowFreed;
         w.key_pos = info.key_position;
         step->view_pos[static_cast<std::size_t>(b)] = info.key_position;
         step->view[static_cast<std::size_t>(b)] = cur;
@@ -294,7 +352,7 @@ void PooledKvCache::plan(int n) {
           continue;
         }
       }
-      w.dst = pool_->allocate(tk, tv, block_flags(), w.key_pos);
+      w.dst = pool_->allocate(tk, tv, block_flags() | freed, w.key_pos);
       w.fresh = true;
       step->view_pos[static_cast<std::size_t>(b)] = w.key_pos;
       // A block this pass quantizes and puts its own tokens in: the pass reads a hot copy.
@@ -330,7 +388,7 @@ void PooledKvCache::plan(int n) {
 
 const std::byte* PooledKvCache::pass_tile(int b, int kind, int layer, int kv_head) const {
   const int slot = step_->view_slot[static_cast<std::size_t>(b) * 2 + static_cast<std::size_t>(kind)];
-  if (slot < 0) return pool_->tile(step_->view[static_cast<std::size_t>(b)], kind, layer, kv_head);
+  if (slot < 0) return pool_->stored_tile(step_->view[static_cast<std::size_t>(b)], kind, layer, kv_head);
   return step_->pass_copy(slot, kind, kv_head, shape().n_kv_heads);
 }
 
@@ -375,6 +433,7 @@ void PooledKvCache::write(int layer, int n, const float* k, const float* v) {
 void PooledKvCache::write_block(int layer, int wi, const float* k, const float* v, int n) {
   const KvShape& s = shape();
   const Step::Work& w = step_->work[static_cast<std::size_t>(wi)];
+  if (!pool_->stores_layer(w.dst, layer)) return;  // a block recoded after it left the window
   const int T = pool_->block_tokens(), D = s.head_dim, kvd = s.kv_dim();
   const int first = w.block * T;
   const int done = size_ - base_;  // tail indices
@@ -498,8 +557,8 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
       const BlockRef ref = blocks[static_cast<std::size_t>(b)];
       for (int h = 0; h < s.n_kv_heads; ++h) {
         const std::size_t i = static_cast<std::size_t>(b) * s.n_kv_heads + h;
-        part.tiles[i] = tail ? pass_tile(b, 0, layer, h) : pool_->tile(ref, 0, layer, h);
-        part.tiles[half + i] = tail ? pass_tile(b, 1, layer, h) : pool_->tile(ref, 1, layer, h);
+        part.tiles[i] = tail ? pass_tile(b, 0, layer, h) : pool_->stored_tile(ref, 0, layer, h);
+        part.tiles[half + i] = tail ? pass_tile(b, 1, layer, h) : pool_->stored_tile(ref, 1, layer, h);
       }
       if (tail) {
         part.codecs[static_cast<std::size_t>(b)] = step_->view_k[static_cast<std::size_t>(b)];
@@ -579,6 +638,7 @@ void PooledKvCache::commit(int n) {
   size_ += n;
   segments_.back() = KvSegment{0, step_->view, 0, size_ - base_};
   step_.reset();
+  free_windowed_layers();
 }
 
 }  // namespace qkvshare

@@ -37,7 +37,7 @@ BlockRef PooledKvCache::recode_block(BlockRef ref, const KvCodec& k, const KvCod
   const int T = pool_->block_tokens(), D = s.head_dim;
   const BlockInfo info = pool_->info(ref);
   const int fill = static_cast<int>(info.fill);
-  const BlockRef dst = pool_->allocate(k, v, block_flags(), info.key_position);
+  const BlockRef dst = pool_->allocate(k, v, block_flags() | (info.flags & kBlockWindowFreed), info.key_position);
   std::vector<float> old_rows(static_cast<std::size_t>(T) * D),
       new_rows(sums != nullptr ? old_rows.size() : 0);
   try {
@@ -46,7 +46,7 @@ BlockRef PooledKvCache::recode_block(BlockRef ref, const KvCodec& k, const KvCod
       const KvCodec& into = kind == 0 ? k : v;
       const TileLayout fl = tile_layout(from, T, D), tl = tile_layout(into, T, D);
       for (int l = 0; l < s.n_layers; ++l)
-        for (int kh = 0; kh < s.n_kv_heads; ++kh) {
+        for (int kh = 0; kh < s.n_kv_heads && pool_->stores_layer(ref, l); ++kh) {
           kv::decode_tile_scalar(from, fl, pool_->tile(ref, kind, l, kh), T, old_rows.data(),
                                  kv::codebook_slice(format_, from, kind, l, kh));
           const kv::CodebookSlice book = kv::codebook_slice(to, into, kind, l, kh);
@@ -103,7 +103,7 @@ std::unique_ptr<PooledKvCache> PooledKvCache::recoded(const KvFormat& to, Recode
       if (info.k == tk && info.v == tv) {  // already in place: shared, unchanged
         for (int kind = 0; kind < 2; ++kind)
           for (int l = 0; l < s.n_layers; ++l)
-            for (int kh = 0; kh < s.n_kv_heads; ++kh) {
+            for (int kh = 0; kh < s.n_kv_heads && pool_->stores_layer(ref, l); ++kh) {
               const KvCodec& from = kind == 0 ? info.k : info.v;
               kv::decode_tile_scalar(from, tile_layout(from, T, D), pool_->tile(ref, kind, l, kh), T,
                                      rows.data(), kv::codebook_slice(format_, from, kind, l, kh));

@@ -19,23 +19,29 @@ std::vector<double> PooledKvCache::block_importance() const {
   std::vector<double> importance(nb, 0.0);
   std::vector<float> keys(static_cast<std::size_t>(size_) * D), p(static_cast<std::size_t>(size_)), q(static_cast<std::size_t>(D));
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  for (int l = 0; l < L; ++l)
-    for (int kh = 0; kh < s.n_kv_heads; ++kh) {
-      read_rows(l, 0, kh, 0, size_, keys.data());
+  for (int l = 0; l < L; ++l) {
+    // A sliding-window layer counts the keys its later queries still see: the
+    // last W - 1 (never a block it has left behind, windowed_kept_from()).
+    const int W = s.window(l), k0 = W > 0 ? std::max(0, size_ + 1 - W) : 0;
+    for (int kh = 0; kh < s.n_kv_heads && k0 < size_; ++kh) {
+      read_rows(l, 0, kh, k0, size_ - k0, keys.data());
       for (std::size_t w = 0; w < observed_pos_.size(); ++w) {
-        const int n_keys = std::min(observed_pos_[w] + 1, size_);
+        const int n_keys = std::min(observed_pos_[w] + 1, size_) - k0;
+        if (n_keys <= 0) continue;
         for (int g = 0; g < group; ++g) {
           const float* src = &observed_[(w * static_cast<std::size_t>(L) + static_cast<std::size_t>(l)) * qd +
                                         static_cast<std::size_t>((kh * group + g) * D)];
           std::copy(src, src + D, q.begin());
           if (format_.rotate_k) kv::rotate(q.data(), D);  // the keys are stored rotated
+          const float* k = keys.data();
           for (int j = 0; j < n_keys; ++j)
-            p[static_cast<std::size_t>(j)] = kernels::dot_f32(q.data(), &keys[static_cast<std::size_t>(j) * D], D) * scale;
+            p[static_cast<std::size_t>(j)] = kernels::dot_f32(q.data(), k + static_cast<std::size_t>(j) * D, D) * scale;
           kernels::softmax(p.data(), n_keys);
-          for (int j = 0; j < n_keys; ++j) importance[static_cast<std::size_t>(j / T)] += p[static_cast<std::size_t>(j)];
+          for (int j = 0; j < n_keys; ++j) importance[static_cast<std::size_t>((k0 + j) / T)] += p[static_cast<std::size_t>(j)];
         }
       }
     }
+  }
   return importance;
 }
 
@@ -82,7 +88,8 @@ int PooledKvCache::demote() {
 
 std::vector<std::pair<int, int>> PooledKvCache::evict() {
   QKV_CHECK(!step_);
-  if (!format_.evicts() || segments_.size() != 1 || observed_pos_.empty()) return {};
+  // Dropping tokens moves later ones back; blocks that left a window behind could come into it again.
+  if (!format_.evicts() || segments_.size() != 1 || observed_pos_.empty() || windowed_kept_from() > 0) return {};
   const int T = pool_->block_tokens();
   const std::vector<BlockRef> blocks = segments_[0].blocks;
   const int nb = static_cast<int>(blocks.size());

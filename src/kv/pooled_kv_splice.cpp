@@ -61,6 +61,11 @@ void PooledKvCache::splice(const PooledKvCache& src, int begin, int end, const K
     }
     sb += s.tokens;
   }
+  {
+    std::vector<KvSegment> after = segments_;
+    after.insert(after.end(), added.begin(), added.end());
+    require_windows(after, size_ + n, "splice");
+  }
   for (const KvSegment& seg : added)
     for (BlockRef b : seg.blocks) pool_->retain(b);
   // The tail is frozen where it stands; later tokens go into a new tail.
@@ -86,6 +91,9 @@ void PooledKvCache::read_rows(int layer, int kind, int kv_head, int first, int c
       const int take = std::min(hi - i, T - r);
       const BlockRef ref = seg.blocks[static_cast<std::size_t>(b)];
       const BlockInfo info = pool_->info(ref);
+      if (!pool_->stores_layer(ref, layer))
+        fail(ErrorCode::invalid_argument, "read_rows: token {} of sliding-window layer {} left the window; its KV was "
+             "freed (windowed layers are kept from token {})", i, layer, windowed_kept_from());
       const KvCodec& c = kind == 0 ? info.k : info.v;
       kv::decode_tile_scalar(c, tile_layout(c, T, D), pool_->tile(ref, kind, layer, kv_head), r + take, tile.data(),
                              kv::codebook_slice(format_, c, kind, layer, kv_head));

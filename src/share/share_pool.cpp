@@ -178,8 +178,12 @@ int SharePool::max_tokens() const noexcept { return static_cast<int>(impl_->h().
 
 namespace {
 
-bool same_shape(const KvShape& a, const KvShape& b) {
-  return a.n_layers == b.n_layers && a.n_heads == b.n_heads && a.n_kv_heads == b.n_kv_heads && a.head_dim == b.head_dim;
+// A pool formatted without windows (by an import, which names none) serves a
+// windowed model too: it never frees windowed layers. One formatted with
+// windows serves only the same windows, as its blocks may lack those layers.
+bool same_shape(const KvShape& have, const KvShape& want) {
+  return have.n_layers == want.n_layers && have.n_heads == want.n_heads && have.n_kv_heads == want.n_kv_heads &&
+         have.head_dim == want.head_dim && (have.layer_window.empty() || have.layer_window == want.layer_window);
 }
 
 // Lays out [ledger][KvPool arena] in the dynamic part. The
@@ -238,9 +242,11 @@ std::shared_ptr<KvPool> SharePool::kv_pool(const KvShape& shape) {
   const KvShape& have = impl_->kv->shape();
   if (shape.n_layers != 0 && !same_shape(have, shape))
     fail(ErrorCode::invalid_argument,
-         "pool '{}' holds KV for {} layers, {} heads, {} KV heads of {} dims; this model has {}, {}, {}, {}",
-         impl_->name, have.n_layers, have.n_heads, have.n_kv_heads, have.head_dim, shape.n_layers, shape.n_heads,
-         shape.n_kv_heads, shape.head_dim);
+         "pool '{}' holds KV for {} layers, {} heads, {} KV heads of {} dims (largest window {}); this model has {}, "
+         "{}, {}, {} ({})",
+         impl_->name, have.n_layers, have.n_heads, have.n_kv_heads, have.head_dim, have.max_window(), shape.n_layers,
+         shape.n_heads, shape.n_kv_heads, shape.head_dim,
+         have.layer_window == shape.layer_window ? "same" : "other sliding windows");
   return impl_->kv;
 }
 

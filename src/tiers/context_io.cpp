@@ -60,6 +60,9 @@ ContextMeta context_meta(const PooledKvCache& cache, std::span<const TokenId> to
     m.segments.push_back(ContextSegment{s.position_offset, static_cast<std::uint32_t>(s.blocks.size())});
     for (std::size_t j = 0; j < s.blocks.size(); ++j) {
       const BlockInfo info = cache.pool().info(s.blocks[j]);
+      if ((info.flags & kBlockWindowFreed) != 0)
+        fail(ErrorCode::unsupported, "export: block {} keeps only the global layers' KV (its tokens left the model's "
+             "sliding window); context files cannot hold such blocks yet", m.blocks.size());
       ContextBlock cb;
       cb.k = info.k;
       cb.v = info.v;

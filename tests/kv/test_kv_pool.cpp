@@ -170,6 +170,56 @@ TEST(KvPool, AttachValidatesAndSharesState) {
   EXPECT_THROW(KvPool::attach(std::make_unique<BorrowedArena>(bytes.data(), bytes.size())), Error);
 }
 
+// A block that left every sliding window keeps the global layers' tiles
+// alone: fewer pages, the same bytes where they are kept, none where not; the
+// arena names the windows, so another process maps the same tiles.
+TEST(KvPool, ABlockWithoutItsWindowedLayersKeepsTheGlobalOnes) {
+  const KvShape shape{5, 8, 4, 8, {4, 4, 0, 4, 0}};  // layers 2 and 4 global
+  HeapArena bytes(1 << 20);
+  auto pool = KvPool::create(PoolConfig{shape, 32, 0}, std::make_unique<BorrowedArena>(bytes.data(), bytes.size()));
+  const BlockRef whole = pool->allocate(KvCodec::f16(), KvCodec::f16(), kBlockRotatedK, 96);
+  const std::size_t tile_bytes = tile_layout(KvCodec::f16(), 32, 8).bytes;
+  std::mt19937 rng(3);
+  for (int kind = 0; kind < 2; ++kind)
+    for (int l = 0; l < 5; ++l)
+      for (int h = 0; h < 4; ++h)
+        for (std::size_t i = 0; i < tile_bytes; ++i) pool->tile(whole, kind, l, h)[i] = static_cast<std::byte>(rng());
+  EXPECT_THROW(pool->without_windowed_layers(whole), Error);  // not full yet
+  pool->set_fill(whole, 32);
+  const BlockRef lean = pool->without_windowed_layers(whole);
+  const BlockInfo info = pool->info(lean);
+  EXPECT_EQ(info.flags, kBlockRotatedK | kBlockWindowFreed);
+  EXPECT_EQ(info.key_position, 96);
+  EXPECT_EQ(info.fill, 32u);
+  EXPECT_EQ(pool->pages_for(KvCodec::f16(), KvCodec::f16(), kBlockWindowFreed), 2u * 2 * 4 / 2);  // 2 tiles a page
+  EXPECT_EQ(pool->block_bytes(lean) * 5, pool->block_bytes(whole) * 2);
+  for (int kind = 0; kind < 2; ++kind)
+    for (int l = 0; l < 5; ++l)
+      for (int h = 0; h < 4; ++h) {
+        const bool global = l == 2 || l == 4;
+        EXPECT_EQ(pool->stores_layer(lean, l), global);
+        if (global) {
+          EXPECT_EQ(0, std::memcmp(pool->stored_tile(lean, kind, l, h), pool->tile(whole, kind, l, h), tile_bytes));
+        } else {
+          EXPECT_EQ(pool->stored_tile(lean, kind, l, h), nullptr);
+          EXPECT_THROW(pool->tile(lean, kind, l, h), Error);
+        }
+      }
+  EXPECT_NE(pool->checksum(lean), pool->checksum(whole));
+  EXPECT_EQ(pool->checksum(lean), pool->compute_checksum(lean));
+  auto other = KvPool::attach(std::make_unique<BorrowedArena>(bytes.data(), bytes.size()));
+  EXPECT_EQ(other->shape(), shape);
+  EXPECT_EQ(other->stored_tile(lean, 1, 4, 3), pool->stored_tile(lean, 1, 4, 3));
+  EXPECT_EQ(other->stored_tile(lean, 1, 3, 3), nullptr);
+  pool->release(whole);
+  pool->release(lean);
+  EXPECT_EQ(pool->counters().pages_used, 0u);
+  // Only a shape with windowed and global layers both has such blocks.
+  auto plain = make_pool(1 << 20);
+  EXPECT_THROW(plain->allocate(KvCodec::f16(), KvCodec::f16(), kBlockWindowFreed), Error);
+  EXPECT_THROW(KvPool::create(PoolConfig{KvShape{5, 8, 4, 8, {4, 4}}, 32, 1 << 20}), Error);  // 2 windows, 5 layers
+}
+
 TEST(KvPool, BadGeometryIsRejected) {
   EXPECT_THROW(make_pool(1 << 20, 24), Error);  // not a power of two
   EXPECT_THROW(make_pool(4096), Error);         // no room for a page

@@ -8,6 +8,7 @@
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/kv_codebook.hpp"
+#include "qkvshare/model/synthetic_model.hpp"
 #include "share_test_util.hpp"
 
 namespace qkvshare {
@@ -437,6 +438,55 @@ TEST_F(Handoff, SealValidatesItsInputs) {
   EXPECT_THROW(seal_session(*pool_, *engine_, fp_, *s, "bad id"), Error);
   auto foreign = SharePool::create_anonymous(testing::small_config());
   EXPECT_THROW(seal_session(*foreign, *engine_, fp_, *s, "A"), Error);
+}
+
+// Gemma 3's sliding-window layers (tiny-gemma3: an 8-token window in five
+// layers of six): the producer's blocks that left the window were sealed with
+// the global layer's tiles alone, and the consumer continues from them exactly
+// as the producer does; a fork of the consumer too.
+TEST(HandoffWindowed, AConsumerContinuesFromBlocksThatLeftTheWindow) {
+  const std::string path = testing::temp_dir() + "/tiny-gemma3-handoff.gguf";
+  SyntheticOptions opt;
+  opt.type = GgmlType::Q8_0;
+  opt.n_threads = 2;
+  write_synthetic_model(find_synthetic_shape("tiny-gemma3"), opt, path);
+  const auto model = Model::load(path);
+  const ModelFingerprint fp = model_fingerprint(*model);
+  Engine engine(*model, EngineOptions{1});
+  auto pool = SharePool::create_anonymous(testing::small_config());
+  std::vector<TokenId> ids, more;
+  for (int i = 0; i < 100; ++i) ids.push_back((i * 53 + 7) % 500);
+  for (int i = 0; i < 12; ++i) more.push_back((i * 29 + 3) % 500);
+  const auto continue_with = [&](Session& s) {
+    const auto l = engine.forward(s, more, true);
+    std::vector<float> out(l.begin(), l.end());
+    for (TokenId t : {7, 99, 250}) {
+      const auto d = engine.forward(s, std::vector<TokenId>{t});
+      out.insert(out.end(), d.begin(), d.end());
+    }
+    return out;
+  };
+  for (const char* format : {"f16", "int8", "int4:window=16"}) {
+    auto producer = new_pooled_session(*pool, engine, KvFormat::parse(format), 512);
+    engine.forward(*producer, ids);
+    const auto& pc = dynamic_cast<const PooledKvCache&>(producer->cache());
+    ASSERT_EQ(pc.windowed_kept_from(), 64) << format;  // blocks of 32: two of four keep the global layer alone
+    const SealedContext sealed = seal_session(*pool, engine, fp, *producer, "A");
+    const Descriptor d = pool->grant(sealed, "A", "B");
+    pool->release(sealed);
+    HandoffResult r = open_session(*pool, engine, fp, d, "B", {HandoffMode::kv, true, 0});
+    ASSERT_TRUE(r.kv) << format << ": " << r.detail;
+    auto fork = std::make_unique<Session>(dynamic_cast<const PooledKvCache&>(r.session->cache()).fork(),
+                                          r.session->tokens());
+    const auto want = continue_with(*producer);
+    const auto got = continue_with(*r.session);
+    ASSERT_EQ(want.size(), got.size());
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << format;
+    const auto forked = continue_with(*fork);
+    EXPECT_EQ(0, std::memcmp(want.data(), forked.data(), want.size() * sizeof(float))) << format;
+    pool->release(d, "B");
+  }
+  EXPECT_EQ(pool->stats().contexts, 0);
 }
 
 }  // namespace

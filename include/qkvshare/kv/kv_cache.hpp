@@ -4,9 +4,12 @@
 // and V are stored (dense f32 here, quantized pool blocks later) and how
 // attention reads them stays behind this interface (docs/design.md rule 4: the
 // storage computes attention over its own blocks, nothing copies them out).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>
+#include <vector>
 
 #include "qkvshare/core/thread_pool.hpp"
 
@@ -41,8 +44,45 @@ struct KvShape {
   int n_heads = 0;     // query heads
   int n_kv_heads = 0;  // key/value heads (grouped-query attention)
   int head_dim = 0;
+  // Sliding-window layers (gemma3's local layers): layer_window[l] > 0 is the
+  // number of most recent tokens layer l attends to, 0 a global layer; empty:
+  // every layer global. With both kinds, the pool keeps only the global
+  // layers of a block that has left every window (KvPool, kBlockWindowFreed).
+  std::vector<int> layer_window;
+
+  KvShape() = default;
+  KvShape(int layers, int heads, int kv_heads, int dim, std::vector<int> windows = {})
+      : n_layers(layers), n_heads(heads), n_kv_heads(kv_heads), head_dim(dim), layer_window(std::move(windows)) {}
   int kv_dim() const noexcept { return n_kv_heads * head_dim; }
   int q_dim() const noexcept { return n_heads * head_dim; }
+  int window(int layer) const noexcept {
+    return layer_window.empty() ? 0 : layer_window[static_cast<std::size_t>(layer)];
+  }
+  // The largest window: a token this far behind the context's end is seen by global layers only.
+  int max_window() const noexcept {
+    int w = 0;
+    for (const int x : layer_window) w = std::max(w, x);
+    return w;
+  }
+  int global_layers() const noexcept {
+    int n = 0;
+    for (int l = 0; l < n_layers; ++l) n += window(l) == 0 ? 1 : 0;
+    return n;
+  }
+  // Windowed layers beside global ones: blocks can leave their windowed layers' tiles behind.
+  bool frees_windowed() const noexcept { return max_window() > 0 && global_layers() > 0; }
+  // Layers a block stores: all, or (windowed_freed) the global ones alone.
+  int stored_layers(bool windowed_freed) const noexcept { return windowed_freed ? global_layers() : n_layers; }
+  // Index of `layer` among the tiles of such a block, or -1 when it is not stored.
+  int stored_index(int layer, bool windowed_freed) const noexcept {
+    if (!windowed_freed) return layer;
+    if (window(layer) > 0) return -1;
+    int i = 0;
+    for (int l = 0; l < layer; ++l) i += window(l) == 0 ? 1 : 0;
+    return i;
+  }
+  // The dimensions and windows alike.
+  bool operator==(const KvShape&) const = default;
 };
 
 class KvCache {

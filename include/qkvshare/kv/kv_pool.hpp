@@ -45,6 +45,10 @@ inline constexpr std::uint32_t kBlockRotatedV = 2u;
 // BlockInfo::key_position + r. The flag bits are KeyRope << 2.
 inline constexpr std::uint32_t kBlockPreRopeK = 4u;
 inline constexpr std::uint32_t kBlockRelativeK = 8u;
+// The block stores the global layers' tiles alone: its tokens have left the
+// sliding window of every windowed layer (KvShape::layer_window), which never
+// read them again (PooledKvCache frees them at commit).
+inline constexpr std::uint32_t kBlockWindowFreed = 16u;
 
 // Told about every block reference this process takes or drops through a
 // pool (allocate/retain/try_retain, release), so that a shared pool can give
@@ -82,7 +86,8 @@ struct BlockInfo {
 
 class KvPool {
  public:
-  static constexpr std::uint32_t kVersion = 3;  // 2: block headers carry key_position; 3: and a kept checksum
+  // 2: block headers carry key_position; 3: and a kept checksum; 4: the header names the layers' windows
+  static constexpr std::uint32_t kVersion = 4;
   static constexpr std::size_t kLockAreaBytes = 256;
 
   // Formats `arena` as an empty pool. Throws Error(invalid_argument) when the
@@ -146,12 +151,22 @@ class KvPool {
   // live and full, without taking a reference (which others would see in the
   // counts); this process's last release of the block waits for the hash to end.
   void keep_checksum_if_live(BlockRef ref) noexcept;
-  // Tile of `kind` (0 = K, 1 = V) for one layer and KV head of a block.
+  // Tile of `kind` (0 = K, 1 = V) for one layer and KV head of a block; the
+  // layer must be stored (stores_layer).
   std::byte* tile(BlockRef ref, int kind, int layer, int head) const;
+  // The same, or nullptr for a windowed layer that the block left behind.
+  const std::byte* stored_tile(BlockRef ref, int kind, int layer, int head) const;
+  bool stores_layer(BlockRef ref, int layer) const;
   // Bytes of a block's pages.
   std::size_t block_bytes(BlockRef ref) const;
-  // Pages a block of these codecs takes.
-  std::uint32_t pages_for(const KvCodec& k, const KvCodec& v) const;
+  // Pages a block of these codecs and flags (kBlockWindowFreed) takes.
+  std::uint32_t pages_for(const KvCodec& k, const KvCodec& v, std::uint32_t flags = 0) const;
+  // A copy of `ref` (a full block: fill == block_tokens) that keeps only the
+  // global layers' tiles (kBlockWindowFreed), one reference held by the
+  // caller; same codecs, flags otherwise and key position. Error(out_of_memory)
+  // when the pool lacks the pages; Error(invalid_argument) when the shape has
+  // no windowed and global layers both.
+  BlockRef without_windowed_layers(BlockRef ref);
 
   PoolCounters counters() const;
   std::byte* lock_area() noexcept;
@@ -161,6 +176,7 @@ class KvPool {
   struct BlockHeader;
   KvPool(std::unique_ptr<Arena> arena, std::unique_ptr<PoolLock> lock);
   void bind();  // reads geometry from the header into members
+  static KvShape shape_of(const Header& h);
   Header& header() const noexcept;
   BlockHeader& block(std::uint32_t index) const noexcept;
   BlockHeader& checked(BlockRef ref) const;  // live block or Error(internal)

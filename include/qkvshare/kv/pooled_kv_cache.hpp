@@ -18,6 +18,7 @@
 // the request (Error(out_of_memory)) and leaves this and every other context
 // as they were.
 #include <memory>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -136,7 +137,21 @@ class PooledKvCache final : public KvCache {
   // Decoded rows (f32, [count][head_dim], Hadamard-rotated as stored when the
   // format rotates) of one layer, kind (0 K, 1 V) and KV head for the
   // committed tokens [first, first + count): what the splice guard compares.
+  // A windowed layer's rows left behind (windowed_kept_from) are an Error(invalid_argument).
   void read_rows(int layer, int kind, int kv_head, int first, int count, float* out) const;
+
+  // Sliding-window layers (KvShape::layer_window, with global layers beside
+  // them): once a full block's tokens are `max_window` or more behind the
+  // context's end, no windowed layer of this context reads them again, so
+  // commit() copies the block's global layers into a smaller block
+  // (kBlockWindowFreed) and frees the whole one. A block shared with another
+  // context stays whole (that one may still be within its window; it is
+  // freed at a later commit once unshared), as do the blocks of formats with a
+  // budget (evict() can bring tokens back into a window). A context that ends
+  // earlier than its blocks allow (a prefix of another: adopt, splice) is
+  // refused with Error(invalid_argument). The first token index from which
+  // every block keeps its windowed layers (0: none was freed):
+  int windowed_kept_from() const { return windowed_kept_from(segments_); }
 
   // Mixed formats (KvFormat::mixed): recodes the cold blocks that received
   // the least attention to the format's lo codecs, keeping the `top` share in
@@ -202,6 +217,11 @@ class PooledKvCache final : public KvCache {
   // The tile attention reads this pass for view block b (the pass copy when it has one).
   const std::byte* pass_tile(int b, int kind, int layer, int kv_head) const;
   std::uint32_t block_flags() const noexcept;
+  int windowed_kept_from(const std::vector<KvSegment>& segments) const;
+  // Error(invalid_argument) when a context of `tokens` tokens over `segments` would read freed windowed layers.
+  void require_windows(const std::vector<KvSegment>& segments, int tokens, std::string_view what) const;
+  void free_windowed_layers();  // at commit, see windowed_kept_from()
+  int window_scan_ = 0;         // the window's start (in blocks) at the last scan
   // demote() and evict(): the observed attention per block of the only segment, and its cold blocks ranked by it.
   std::vector<double> block_importance() const;
   std::vector<double> ranking() const;
