@@ -22,6 +22,8 @@ constexpr std::size_t kSegmentEntry = 8, kBlockEntryV1 = 32, kBlockEntry = 40;
 // Keys not stored as rotated (KeyRope << 2): bits 2-3 of the format flags and of a block's flags
 // alike (kBlockPreRopeK, kBlockRelativeK in kv_pool.hpp, which this reader does not depend on).
 constexpr std::uint32_t kFormatKeyRope = 12u;
+// A block of the global layers' tiles alone (kBlockWindowFreed in kv_pool.hpp; version 3 files).
+constexpr std::uint32_t kBlockGlobalLayersOnly = 16u;
 constexpr std::uint32_t kMaxTokens = 1u << 24, kMaxLayers = 1024, kMaxHeads = 1024, kMaxHeadDim = 4096;
 constexpr bool kLittleHost = std::endian::native == std::endian::little;
 
@@ -98,32 +100,39 @@ std::vector<std::uint8_t> block_aad(const ContextBlock& b) {
 }
 
 struct Sections {
-  std::size_t tokens = kContextHeaderBytes, text = 0, segments = 0, blocks = 0, meta_sum = 0, payload = 0;
+  std::size_t tokens = kContextHeaderBytes, text = 0, segments = 0, blocks = 0, windows = 0, meta_sum = 0, payload = 0;
 };
 
+// `windows`: layers in the windows table (version 3), else 0.
 Sections sections_for(std::size_t tokens, std::size_t text, std::size_t segments, std::size_t blocks,
-                      std::size_t block_entry = kBlockEntry) {
+                      std::size_t windows, std::size_t block_entry = kBlockEntry) {
   Sections s;
   s.text = s.tokens + 4 * tokens;
   s.segments = round_up(s.text + text, 8);
   s.blocks = s.segments + kSegmentEntry * segments;
-  s.meta_sum = s.blocks + block_entry * blocks;
+  s.windows = s.blocks + block_entry * blocks;
+  s.meta_sum = s.windows + 4 * windows;
   s.payload = round_up(s.meta_sum + 8, kContextPayloadAlign);
   return s;
 }
 
+bool global_only(std::uint32_t flags) { return (flags & kBlockGlobalLayersOnly) != 0; }
+
 }  // namespace
 
-std::size_t block_plain_bytes(const KvShape& s, int block_tokens, const KvCodec& k, const KvCodec& v) {
-  const auto tiles = static_cast<std::size_t>(s.n_layers) * static_cast<std::size_t>(s.n_kv_heads);
+std::size_t block_plain_bytes(const KvShape& s, int block_tokens, const KvCodec& k, const KvCodec& v,
+                              std::uint32_t flags) {
+  const auto tiles = static_cast<std::size_t>(s.stored_layers(global_only(flags))) * static_cast<std::size_t>(s.n_kv_heads);
   return tiles * (tile_bytes(k, block_tokens, s.head_dim) + tile_bytes(v, block_tokens, s.head_dim));
 }
 
 std::size_t tile_offset(const KvShape& s, int block_tokens, const KvCodec& k, const KvCodec& v, int kind, int layer,
-                        int head) {
-  const auto tiles = static_cast<std::size_t>(s.n_layers) * static_cast<std::size_t>(s.n_kv_heads);
+                        int head, std::uint32_t flags) {
+  const int stored = s.stored_index(layer, global_only(flags));
+  QKV_CHECK(stored >= 0);
+  const auto tiles = static_cast<std::size_t>(s.stored_layers(global_only(flags))) * static_cast<std::size_t>(s.n_kv_heads);
   const std::size_t kb = tile_bytes(k, block_tokens, s.head_dim), vb = tile_bytes(v, block_tokens, s.head_dim);
-  const std::size_t i = static_cast<std::size_t>(layer) * static_cast<std::size_t>(s.n_kv_heads) +
+  const std::size_t i = static_cast<std::size_t>(stored) * static_cast<std::size_t>(s.n_kv_heads) +
                         static_cast<std::size_t>(head);
   return kind == 0 ? i * kb : tiles * kb + i * vb;
 }
@@ -148,7 +157,12 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
     fail(ErrorCode::unsupported, "export: KV format {}: context files do not name pq codebooks yet; export an integer "
          "format", m.format.to_string());
   const std::size_t n = m.blocks.size();
-  const Sections sec = sections_for(m.tokens.size(), m.text.size(), m.segments.size(), n);
+  // Version 3 names the layers' sliding windows (and may hold blocks of the global layers alone); a
+  // model without windows still writes version 2, byte for byte as before.
+  const std::size_t windows = m.shape.layer_window.empty() ? 0 : m.shape.layer_window.size();
+  QKV_CHECK(windows == 0 || static_cast<int>(windows) == m.shape.n_layers);
+  for (const ContextBlock& b : m.blocks) QKV_CHECK(!global_only(b.flags) || windows > 0);
+  const Sections sec = sections_for(m.tokens.size(), m.text.size(), m.segments.size(), n, windows);
 
   // Pass 1: checksums and payload offsets.
   std::vector<ContextBlock> table = m.blocks;
@@ -158,7 +172,7 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
     fail(ErrorCode::internal, "export: a cipher adding {} bytes per block, the format fixes {}", cipher->overhead(),
          kContextSealOverhead);
   for (std::size_t i = 0; i < n; ++i) {
-    plain.assign(block_plain_bytes(m.shape, m.block_tokens, table[i].k, table[i].v), 0);
+    plain.assign(block_plain_bytes(m.shape, m.block_tokens, table[i].k, table[i].v, table[i].flags), 0);
     block(i, plain);
     table[i].checksum = XXH3_64bits(plain.data(), plain.size());
     table[i].payload_offset = offset;
@@ -168,7 +182,7 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
 
   std::vector<std::uint8_t> h;
   h.insert(h.end(), kMagic, kMagic + 8);
-  le::put(h, kContextFileVersion, 2);
+  le::put(h, windows > 0 ? kContextFileVersion : std::uint16_t{2}, 2);
   le::put(h, kContextHeaderBytes, 2);
   le::put(h, cipher ? kFlagEncrypted : 0u, 4);
   h.insert(h.end(), m.model_fingerprint.begin(), m.model_fingerprint.end());
@@ -211,6 +225,7 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
     le::put(meta, static_cast<std::uint32_t>((b.flags & kFormatKeyRope) != 0 ? b.key_position : 0), 4);
     le::put(meta, 0u, 4);
   }
+  for (std::size_t l = 0; l < windows; ++l) le::put(meta, static_cast<std::uint32_t>(m.shape.layer_window[l]), 4);
   le::put(meta, XXH3_64bits(meta.data(), meta.size()), 8);
   meta.resize(sec.payload - kContextHeaderBytes, 0);
   sink(h);
@@ -220,7 +235,7 @@ std::uint64_t write_context(const ContextMeta& m, const BlockSource& block, cons
   std::vector<std::uint8_t> stored;
   std::uint64_t at = sec.payload;
   for (std::size_t i = 0; i < n; ++i) {
-    plain.assign(block_plain_bytes(m.shape, m.block_tokens, table[i].k, table[i].v), 0);
+    plain.assign(block_plain_bytes(m.shape, m.block_tokens, table[i].k, table[i].v, table[i].flags), 0);
     block(i, plain);
     if (XXH3_64bits(plain.data(), plain.size()) != table[i].checksum)
       fail(ErrorCode::internal, "export: block {} changed while it was written", i);
@@ -255,7 +270,7 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
   const std::uint8_t* p = bytes.data();
   if (std::memcmp(p, kMagic, 8) != 0) bad("not a QKVShare context file (magic)");
   const auto version = static_cast<std::uint16_t>(le::get(p + 8, 2));
-  if (version != 1 && version != kContextFileVersion)
+  if (version < 1 || version > kContextFileVersion)
     fail(ErrorCode::bad_descriptor, "{}: format version {}, this build reads versions 1 to {}", name_, version,
          kContextFileVersion);
   const std::size_t block_entry = version == 1 ? kBlockEntryV1 : kBlockEntry;
@@ -309,7 +324,8 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
     fail(ErrorCode::bad_descriptor, "{}: {} bytes, the header says {} (truncated or extended)", name_, bytes.size(),
          total);
   if (n_text > bytes.size()) bad("text length runs past the end of the file");
-  const Sections sec = sections_for(n_tokens, n_text, n_seg, n_blocks, block_entry);
+  const std::size_t n_windows = version >= 3 ? L : 0;
+  const Sections sec = sections_for(n_tokens, n_text, n_seg, n_blocks, n_windows, block_entry);
   if (sec.payload != payload || payload > total) bad("payload offset does not follow the tables");
 
   const std::uint8_t* meta_begin = p + kContextHeaderBytes;
@@ -321,6 +337,15 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
   for (std::uint32_t i = 0; i < n_tokens; ++i)
     meta_.tokens[i] = static_cast<std::int32_t>(get32(p + sec.tokens + 4 * std::size_t{i}));
   meta_.text.assign(reinterpret_cast<const char*>(p + sec.text), n_text);
+  if (n_windows > 0) {
+    std::vector<int> windows(n_windows);
+    for (std::size_t l = 0; l < n_windows; ++l) {
+      const std::uint32_t w = get32(p + sec.windows + 4 * l);
+      if (w > kMaxTokens) fail(ErrorCode::bad_descriptor, "{}: layer {} has a window of {} tokens", name_, l, w);
+      windows[l] = static_cast<int>(w);
+    }
+    if (std::any_of(windows.begin(), windows.end(), [](int w) { return w > 0; })) meta_.shape.layer_window = windows;
+  }
   std::uint64_t seg_total = 0;
   meta_.segments.resize(n_seg);
   for (std::uint32_t i = 0; i < n_seg; ++i) {
@@ -350,7 +375,9 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
     b.flags = get32(e + 8);
     b.fill = get32(e + 12);
     const std::uint32_t want_fill = i + 1 < n_blocks ? T : n_tokens - T * (n_blocks - 1);
-    if (b.flags != fflags || b.fill != want_fill)
+    // Blocks of the global layers alone: full ones, of a shape with windowed and global layers.
+    const bool lean_ok = b.flags == (fflags | kBlockGlobalLayersOnly) && meta_.shape.frees_windowed() && b.fill == T;
+    if ((b.flags != fflags && !lean_ok) || b.fill != want_fill)
       fail(ErrorCode::bad_descriptor, "{}: block {} has flags {} and fill {}, expected {} and {}", name_, i, b.flags,
            b.fill, fflags, want_fill);
     b.payload_offset = get64(e + 16);
@@ -364,7 +391,7 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
     }
     if (b.payload_offset != expect)
       fail(ErrorCode::bad_descriptor, "{}: block {} payload at {}, expected {}", name_, i, b.payload_offset, expect);
-    const std::size_t stored = block_plain_bytes(meta_.shape, meta_.block_tokens, b.k, b.v) + overhead;
+    const std::size_t stored = block_plain_bytes(meta_.shape, meta_.block_tokens, b.k, b.v, b.flags) + overhead;
     if (stored > total - b.payload_offset)
       fail(ErrorCode::bad_descriptor, "{}: block {} payload [{}, +{}) runs past the end ({} bytes)", name_, i,
            b.payload_offset, stored, total);
@@ -377,7 +404,7 @@ ContextReader::ContextReader(std::span<const std::uint8_t> bytes, std::string na
 std::size_t ContextReader::plain_bytes(std::size_t block) const {
   QKV_CHECK(block < meta_.blocks.size());
   const ContextBlock& b = meta_.blocks[block];
-  return block_plain_bytes(meta_.shape, meta_.block_tokens, b.k, b.v);
+  return block_plain_bytes(meta_.shape, meta_.block_tokens, b.k, b.v, b.flags);
 }
 
 std::span<const std::uint8_t> ContextReader::stored_block(std::size_t block) const {

@@ -7,6 +7,8 @@
 
 namespace qkvshare {
 
+static_assert(kBlockWindowFreed == 16u, "context files name a block of the global layers alone by flag bit 4");
+
 namespace {
 
 std::vector<BlockRef> flat_blocks(const PooledKvCache& cache) {
@@ -60,9 +62,6 @@ ContextMeta context_meta(const PooledKvCache& cache, std::span<const TokenId> to
     m.segments.push_back(ContextSegment{s.position_offset, static_cast<std::uint32_t>(s.blocks.size())});
     for (std::size_t j = 0; j < s.blocks.size(); ++j) {
       const BlockInfo info = cache.pool().info(s.blocks[j]);
-      if ((info.flags & kBlockWindowFreed) != 0)
-        fail(ErrorCode::unsupported, "export: block {} keeps only the global layers' KV (its tokens left the model's "
-             "sliding window); context files cannot hold such blocks yet", m.blocks.size());
       ContextBlock cb;
       cb.k = info.k;
       cb.v = info.v;
@@ -92,9 +91,9 @@ BlockSource pooled_block_source(const PooledKvCache& cache) {
     for (int kind = 0; kind < 2; ++kind) {
       const KvCodec& c = kind == 0 ? info.k : info.v;
       for (int l = 0; l < s.n_layers; ++l)
-        for (int h = 0; h < s.n_kv_heads; ++h)
+        for (int h = 0; h < s.n_kv_heads && pool.stores_layer(blocks[i], l); ++h)
           tile_to_canonical(c, T, s.head_dim, fill, pool.tile(blocks[i], kind, l, h),
-                            plain.data() + tile_offset(s, T, info.k, info.v, kind, l, h));
+                            plain.data() + tile_offset(s, T, info.k, info.v, kind, l, h, info.flags));
     }
   };
 }
@@ -114,6 +113,12 @@ std::unique_ptr<PooledKvCache> import_context(const ContextReader& reader, std::
          "import: the context's KV shape ({} layers, {} KV heads x {}, blocks of {}) is not the pool's ({}, {} x {}, {})",
          m.shape.n_layers, m.shape.n_kv_heads, m.shape.head_dim, m.block_tokens, s.n_layers, s.n_kv_heads, s.head_dim,
          pool->block_tokens());
+  // Blocks of the global layers alone need a pool that knows which layers those are.
+  const bool lean = std::any_of(m.blocks.begin(), m.blocks.end(),
+                                [](const ContextBlock& b) { return (b.flags & kBlockWindowFreed) != 0; });
+  if (lean && s.layer_window != m.shape.layer_window)
+    fail(ErrorCode::bad_descriptor, "import: the context holds blocks that left a sliding window of {} tokens; the "
+         "pool's layers have {}", m.shape.max_window(), s.layer_window.empty() ? "no windows" : "other windows");
   if (capacity < static_cast<int>(m.tokens.size()))
     fail(ErrorCode::invalid_argument, "import: {} tokens do not fit a capacity of {}", m.tokens.size(), capacity);
   const int T = m.block_tokens;
@@ -128,8 +133,8 @@ std::unique_ptr<PooledKvCache> import_context(const ContextReader& reader, std::
     for (int kind = 0; kind < 2; ++kind) {
       const KvCodec& c = kind == 0 ? b.k : b.v;
       for (int l = 0; l < s.n_layers; ++l)
-        for (int h = 0; h < s.n_kv_heads; ++h)
-          tile_from_canonical(c, T, s.head_dim, plain.data() + tile_offset(s, T, b.k, b.v, kind, l, h),
+        for (int h = 0; h < s.n_kv_heads && pool->stores_layer(ref, l); ++h)
+          tile_from_canonical(c, T, s.head_dim, plain.data() + tile_offset(s, T, b.k, b.v, kind, l, h, b.flags),
                               pool->tile(ref, kind, l, h));
     }
     pool->set_fill(ref, static_cast<int>(b.fill));
@@ -168,7 +173,13 @@ SealedContext import_sealed(SharePool& pool, const ContextReader& reader, std::s
          expected->hex());
   std::shared_ptr<KvPool> kv;
   try {
-    kv = pool.kv_pool(m.shape);  // formats an empty pool for the context's shape
+    // A file that names no windows (version 2) holds whole blocks, which a pool of the same dimensions
+    // takes whatever its windows; otherwise the shapes must agree (or an empty pool is formatted for it).
+    kv = pool.kv_pool_if_any();
+    const bool whole_blocks_fit = kv && m.shape.layer_window.empty() && kv->shape().n_layers == m.shape.n_layers &&
+                                  kv->shape().n_heads == m.shape.n_heads &&
+                                  kv->shape().n_kv_heads == m.shape.n_kv_heads && kv->shape().head_dim == m.shape.head_dim;
+    if (!whole_blocks_fit) kv = pool.kv_pool(m.shape);
   } catch (const Error& e) {
     fail(ErrorCode::bad_descriptor, "import: {}", e.what());
   }

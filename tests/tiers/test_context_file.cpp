@@ -9,6 +9,7 @@
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/mapped_file.hpp"
+#include "qkvshare/model/synthetic_model.hpp"
 #include "qkvshare/tiers/context_io.hpp"
 #include "qkvshare/tiers/crypto.hpp"
 #include "share/share_test_util.hpp"
@@ -273,6 +274,67 @@ TEST(ContextVectors, CommittedFilesImportAndOpen) {
     pool->release(d, "B");
   }
   EXPECT_EQ(pool->kv_pool_if_any()->counters().blocks_used, 0u);
+}
+
+// Gemma 3's sliding-window layers (tiny-gemma3): a context whose early blocks
+// kept the global layer alone exports as version 3 (the layers' windows named,
+// those blocks' payloads a sixth of a whole one), imports into a pool of the
+// same windows and continues bit-identically, exports again to the same bytes;
+// a pool that cannot tell which layers such a block holds refuses it.
+TEST(ContextFileWindowed, BlocksThatLeftTheWindowRoundTrip) {
+  const std::string path = testing::temp_dir() + "/tiny-gemma3-context.gguf";
+  SyntheticOptions opt;
+  opt.n_threads = 2;
+  write_synthetic_model(find_synthetic_shape("tiny-gemma3"), opt, path);
+  const auto model = Model::load(path);
+  const ModelFingerprint fp = model_fingerprint(*model);
+  Engine engine(*model, EngineOptions{1});
+  const KvShape shape = engine.kv_shape();
+  KvShape dims = shape;
+  dims.layer_window.clear();
+  auto a = KvPool::create(PoolConfig{shape, 16, 16 << 20}), b = KvPool::create(PoolConfig{shape, 16, 16 << 20});
+  std::vector<TokenId> ids, more;
+  for (int i = 0; i < 90; ++i) ids.push_back((i * 53 + 7) % 500);
+  for (int i = 0; i < 9; ++i) more.push_back((i * 29 + 3) % 500);
+  const KvFormat f = KvFormat::parse("int4:window=16");
+  Session producer(std::make_unique<PooledKvCache>(a, f, 256));
+  engine.forward(producer, ids);
+  const auto& pc = dynamic_cast<const PooledKvCache&>(producer.cache());
+  ASSERT_EQ(pc.windowed_kept_from(), 80);  // 90 tokens, an 8-token window, blocks of 16
+  std::vector<std::uint8_t> bytes;
+  const ByteSink sink = [&](std::span<const std::uint8_t> s) { bytes.insert(bytes.end(), s.begin(), s.end()); };
+  write_pooled_context(pc, producer.tokens(), "", fp, sink);
+  const ContextReader reader(bytes, "windowed");
+  EXPECT_EQ(bytes[8], 3);  // version
+  EXPECT_EQ(reader.meta().shape, shape);
+  int lean = 0;
+  for (std::size_t i = 0; i < reader.meta().blocks.size(); ++i) {
+    const bool freed = (reader.meta().blocks[i].flags & kBlockWindowFreed) != 0;
+    lean += freed ? 1 : 0;
+    const ContextBlock& blk = reader.meta().blocks[i];
+    EXPECT_EQ(reader.plain_bytes(i) * (freed ? 6 : 1), block_plain_bytes(shape, 16, blk.k, blk.v)) << i;
+  }
+  EXPECT_EQ(lean, 5);
+
+  auto copy = import_context(reader, b, 256);
+  Session consumer(std::move(copy), ids);
+  const auto want = engine.forward(producer, more, true);
+  const std::vector<float> w(want.begin(), want.end());
+  const auto got = engine.forward(consumer, more, true);
+  ASSERT_EQ(w.size(), got.size());
+  EXPECT_EQ(0, std::memcmp(w.data(), got.data(), w.size() * sizeof(float)));
+
+  // The imported context, before it went on, exports to the same bytes.
+  auto again_pool = KvPool::create(PoolConfig{shape, 16, 16 << 20});
+  auto again = import_context(reader, again_pool, 256);
+  std::vector<std::uint8_t> second;
+  write_pooled_context(*again, ids, "", fp,
+                       [&](std::span<const std::uint8_t> s) { second.insert(second.end(), s.begin(), s.end()); });
+  EXPECT_EQ(second, bytes);
+
+  auto plain = KvPool::create(PoolConfig{dims, 16, 16 << 20});
+  const std::string why = error_of([&] { import_context(reader, plain, 256); });
+  EXPECT_NE(why.find("sliding window"), std::string::npos) << why;
 }
 
 }  // namespace

@@ -30,8 +30,10 @@
 
 namespace qkvshare {
 
-// 2: block entries carry the position of a keys=pre/block block's first key (version 1 files are read too).
-inline constexpr std::uint16_t kContextFileVersion = 2;
+// 2: block entries carry the position of a keys=pre/block block's first key; 3: a table of the layers'
+// sliding windows follows the block table, and blocks may hold the global layers alone (written for models
+// with windows; others still write 2). Every earlier version is read too.
+inline constexpr std::uint16_t kContextFileVersion = 3;
 inline constexpr std::size_t kContextHeaderBytes = 128;
 inline constexpr std::size_t kContextPayloadAlign = 64;
 // A sealed payload: 24-byte nonce || ciphertext || 16-byte tag (XChaCha20-Poly1305-IETF).
@@ -58,7 +60,7 @@ struct ContextSegment {
 
 struct ContextBlock {
   KvCodec k, v;
-  std::uint32_t flags = 0;  // kBlockRotatedK / kBlockRotatedV / kBlockPreRopeK / kBlockRelativeK
+  std::uint32_t flags = 0;  // kBlockRotatedK / kBlockRotatedV / kBlockPreRopeK / kBlockRelativeK / kBlockWindowFreed
   std::int32_t key_position = 0;  // keys=pre/block blocks: where row 0's key was computed (BlockInfo); else 0
   std::uint32_t fill = 0;   // tokens stored in the block
   std::uint64_t checksum = 0;        // XXH3-64 of the canonical plaintext (filled by the writer)
@@ -79,11 +81,13 @@ struct ContextMeta {
   std::uint64_t key_id = 0;  // 0: payloads are plaintext
 };
 
-// Bytes of one block's canonical plaintext: every tile, K first, layer-major.
-std::size_t block_plain_bytes(const KvShape& shape, int block_tokens, const KvCodec& k, const KvCodec& v);
-// Offset of tile (kind, layer, head) inside that plaintext.
+// Bytes of one block's canonical plaintext: every tile it stores, K first,
+// layer-major (with flags bit 16, kBlockWindowFreed, the global layers alone).
+std::size_t block_plain_bytes(const KvShape& shape, int block_tokens, const KvCodec& k, const KvCodec& v,
+                              std::uint32_t flags = 0);
+// Offset of tile (kind, layer, head) inside that plaintext; the layer must be stored.
 std::size_t tile_offset(const KvShape& shape, int block_tokens, const KvCodec& k, const KvCodec& v, int kind,
-                        int layer, int head);
+                        int layer, int head, std::uint32_t flags = 0);
 
 // Converts one tile between the pool's native byte order and the canonical
 // (little-endian) one. Padding and rows past `fill` (float codecs) become
