@@ -29,6 +29,9 @@ void add_model_args(CLI::App& cmd, ModelArgs& args) {
   cmd.add_flag("--kv-stored-in-pass", args.kv_stored_in_pass,
                "A forward pass attends to the quantized copies of the tokens it computes itself, instead of to "
                "their f16 values (the earlier behaviour; to measure both ways)");
+  cmd.add_flag("--kv-keep-windowed-layers", args.kv_keep_windowed,
+               "Blocks of the KV pool keep every layer's K/V after their tokens left the model's sliding window "
+               "(gemma3's local layers), instead of only the global layers' (the earlier behaviour; to measure both ways)");
 }
 
 EngineOptions engine_options(const ModelArgs& args) {
@@ -41,6 +44,7 @@ EngineOptions engine_options(const ModelArgs& args) {
   // A process-wide switch of the kv layer; every command builds its engine here.
   kv::set_codes_attention(!args.kv_decode_tiles);
   set_default_pass_precision(args.kv_stored_in_pass ? PassPrecision::stored : PassPrecision::full);
+  set_free_windowed_layers(!args.kv_keep_windowed);
   return o;
 }
 

@@ -117,10 +117,13 @@ struct PooledKvCache::Step {
 
 namespace {
 std::atomic<PassPrecision> g_pass_precision{PassPrecision::full};
+std::atomic<bool> g_free_windowed{true};
 }
 
 void set_default_pass_precision(PassPrecision p) noexcept { g_pass_precision.store(p, std::memory_order_relaxed); }
 PassPrecision default_pass_precision() noexcept { return g_pass_precision.load(std::memory_order_relaxed); }
+void set_free_windowed_layers(bool on) noexcept { g_free_windowed.store(on, std::memory_order_relaxed); }
+bool free_windowed_layers_enabled() noexcept { return g_free_windowed.load(std::memory_order_relaxed); }
 
 PooledKvCache::PooledKvCache(std::shared_ptr<KvPool> pool, const KvFormat& format, int capacity)
     : pool_(std::move(pool)), format_(format), capacity_(capacity) {
@@ -264,7 +267,7 @@ void PooledKvCache::require_windows(const std::vector<KvSegment>& segments, int 
 
 void PooledKvCache::free_windowed_layers() {
   const KvShape& s = shape();
-  if (!s.frees_windowed() || format_.evicts()) return;
+  if (!s.frees_windowed() || format_.evicts() || !free_windowed_layers_enabled()) return;
   const int T = pool_->block_tokens();
   // Tokens before index `dead` are read by the global layers alone from now on.
   const int dead = size_ + 1 - s.max_window();

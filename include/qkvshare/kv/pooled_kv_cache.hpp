@@ -83,6 +83,11 @@ enum class PassPrecision { full, stored };
 // --kv-stored-in-pass sets it to stored). Default: full.
 void set_default_pass_precision(PassPrecision p) noexcept;
 PassPrecision default_pass_precision() noexcept;
+// Whether commit() frees the windowed layers of blocks that left every
+// sliding window (PooledKvCache::windowed_kept_from; process-wide, default
+// on; the CLI's --kv-keep-windowed-layers turns it off, to measure both ways).
+void set_free_windowed_layers(bool on) noexcept;
+bool free_windowed_layers_enabled() noexcept;
 
 class PooledKvCache final : public KvCache {
  public:
