@@ -101,11 +101,56 @@ void tile_code_scores_bits(const TileCodes& t, const std::byte* tile, int lo, in
   }
 }
 
+constexpr int kSumBatch = 4;  // queries whose weighted sums share each load of the codes
+
+// One group's channels [c0, c0 + G) of NB queries' weighted sums over a
+// window: each query's int16 weights (w16 + u * kCodeWindow, in pairs of
+// rows) against the zipped code pairs, out[u][c] += step[u] * sum + bias[u].
+// Each pair of code vectors is loaded once for all NB queries; few queries
+// also split the pairs over U sums each, so that about eight sums are in
+// flight (one chain would wait on the dot product's latency). The sums are
+// integers, exact in any order: the result does not depend on NB.
+template <class V, int NB>
+void code_sum_batch(const std::int16_t* zipped, int D, int padded, int c0, int G, const std::int16_t* w16,
+                    const float* step, const float* bias, float* const* out) {
+  using I = typename V::I;
+  using W = typename V::W;
+  constexpr int L = 2 * V::N, U = NB >= 3 ? 1 : NB == 2 ? 2 : 4;  // padded is a multiple of 4
+  for (int c = c0; c < c0 + G; c += L) {
+    I al[NB * U], ah[NB * U];
+#pragma GCC unroll 8
+    for (int a = 0; a < NB * U; ++a) al[a] = V::zeroi(), ah[a] = V::zeroi();
+    for (int pr = 0; pr < padded; pr += U) {
+#pragma GCC unroll 4
+      for (int k = 0; k < U; ++k) {
+        const std::int16_t* z = zipped + (static_cast<std::size_t>(pr + k) * 2 * D + 2 * c);
+        const W zl = V::load16(z), zh = V::load16(z + L);
+#pragma GCC unroll 4
+        for (int u = 0; u < NB; ++u) {
+          const W wv = V::pair16(w16 + u * kCodeWindow + 2 * (pr + k));
+          al[u * U + k] = V::dot16(al[u * U + k], zl, wv);
+          ah[u * U + k] = V::dot16(ah[u * U + k], zh, wv);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < NB; ++u) {
+      I sl = al[u * U], sh = ah[u * U];
+      for (int k = 1; k < U; ++k) sl = V::addi(sl, al[u * U + k]), sh = V::addi(sh, ah[u * U + k]);
+      I first, second;
+      V::unzip32(sl, sh, first, second);
+      const typename V::F vstep = V::set1(step[u]), vbias = V::set1(bias[u]);
+      float* oi = out[u];
+      V::storeu(oi + c, V::add(V::loadu(oi + c), V::fmadd(vstep, V::to_float(first), vbias)));
+      V::storeu(oi + c + V::N, V::add(V::loadu(oi + c + V::N), V::fmadd(vstep, V::to_float(second), vbias)));
+    }
+  }
+}
+
 template <class V, int Bits>
 void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
                         int nq, float* o) {
   using F = typename V::F;
-  using I = typename V::I;
   using W = typename V::W;
   constexpr int L = 2 * V::N;
   static_assert(kCodeWindow % V::N == 0, "a window is whole vectors");
@@ -114,7 +159,7 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
   // Pairs of rows (j, j + 1) zipped channel by channel: [pair][D / L][lo, hi][L].
   alignas(64) std::int16_t zipped[kCodeWindow / 2 * 2 * kTileMaxHeadDim];
   alignas(64) float sf[kCodeWindow], mf[kCodeWindow], pw[kCodeWindow], w[kCodeWindow];
-  alignas(64) std::int16_t w16[kCodeWindow];
+  alignas(64) std::int16_t w16[kSumBatch * kCodeWindow];
   const W centre = V::set16(static_cast<std::int16_t>(1 << (Bits - 1)));
   const float fcentre = static_cast<float>(1 << (Bits - 1));
   for (int j0 = lo & ~3; j0 < hi; j0 += kCodeWindow) {
@@ -152,43 +197,35 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
         }
       }
       for (int k = 0; k < kCodeWindow; k += V::N) V::storeu(mf + k, V::fmadd(V::set1(fcentre), V::loadu(sf + k), V::loadu(mf + k)));
-      for (int i = 0; i < nq; ++i) {
-        const float* pi = p + static_cast<std::size_t>(i) * p_stride;
-        const float* pv = pi + j0;  // the window's weights, zero outside [lo, hi)
-        if (!full) {
-          for (int k = 0; k < kCodeWindow; ++k) pw[k] = k >= kmin && k < kmax ? pi[j0 + k] : 0.0f;
-          pv = pw;
-        }
-        F bias = V::zero(), mx = V::zero();
-        for (int k = 0; k < kCodeWindow; k += V::N) {
-          const F wk = V::mul(V::loadu(pv + k), V::loadu(sf + k));
-          V::storeu(w + k, wk);
-          mx = abs_max<V>(mx, wk);
-          bias = V::fmadd(V::loadu(pv + k), V::loadu(mf + k), bias);
-        }
-        const float step = round_codes_to<V>(w, kCodeWindow, V::hmax(mx), code_weight_max(kCodeWindow), w16);
-        const F vstep = V::set1(step), vbias = V::set1(V::hsum(bias));
-        float* oi = o + static_cast<std::size_t>(i) * D;
-        for (int c = g * G; c < (g + 1) * G; c += L) {
-          // Four pairs at a time into their own sums: the dot products'
-          // latency, not their throughput, would bound one chain.
-          I al[4], ah[4];
-#pragma GCC unroll 4
-          for (int u = 0; u < 4; ++u) al[u] = V::zeroi(), ah[u] = V::zeroi();
-          for (int pr = 0; pr < padded; pr += 4) {
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; ++u) {
-              const W wv = V::pair16(w16 + 2 * (pr + u));
-              const std::int16_t* z = zipped + (static_cast<std::size_t>(pr + u) * 2 * D + 2 * c);
-              al[u] = V::dot16(al[u], V::load16(z), wv);
-              ah[u] = V::dot16(ah[u], V::load16(z + L), wv);
-            }
+      // Queries in batches of up to kSumBatch, which share each load of the codes.
+      for (int i0 = 0; i0 < nq; i0 += kSumBatch) {
+        const int nb = nq - i0 < kSumBatch ? nq - i0 : kSumBatch;
+        float step[kSumBatch], vbias[kSumBatch];
+        float* out[kSumBatch];
+        for (int u = 0; u < nb; ++u) {
+          const int i = i0 + u;
+          const float* pi = p + static_cast<std::size_t>(i) * p_stride;
+          const float* pv = pi + j0;  // the window's weights, zero outside [lo, hi)
+          if (!full) {
+            for (int k = 0; k < kCodeWindow; ++k) pw[k] = k >= kmin && k < kmax ? pi[j0 + k] : 0.0f;
+            pv = pw;
           }
-          I first, second;
-          V::unzip32(V::addi(V::addi(al[0], al[1]), V::addi(al[2], al[3])),
-                     V::addi(V::addi(ah[0], ah[1]), V::addi(ah[2], ah[3])), first, second);
-          V::storeu(oi + c, V::add(V::loadu(oi + c), V::fmadd(vstep, V::to_float(first), vbias)));
-          V::storeu(oi + c + V::N, V::add(V::loadu(oi + c + V::N), V::fmadd(vstep, V::to_float(second), vbias)));
+          F bias = V::zero(), mx = V::zero();
+          for (int k = 0; k < kCodeWindow; k += V::N) {
+            const F wk = V::mul(V::loadu(pv + k), V::loadu(sf + k));
+            V::storeu(w + k, wk);
+            mx = abs_max<V>(mx, wk);
+            bias = V::fmadd(V::loadu(pv + k), V::loadu(mf + k), bias);
+          }
+          step[u] = round_codes_to<V>(w, kCodeWindow, V::hmax(mx), code_weight_max(kCodeWindow), w16 + u * kCodeWindow);
+          vbias[u] = V::hsum(bias);
+          out[u] = o + static_cast<std::size_t>(i) * D;
+        }
+        switch (nb) {
+          case 1: code_sum_batch<V, 1>(zipped, D, padded, g * G, G, w16, step, vbias, out); break;
+          case 2: code_sum_batch<V, 2>(zipped, D, padded, g * G, G, w16, step, vbias, out); break;
+          case 3: code_sum_batch<V, 3>(zipped, D, padded, g * G, G, w16, step, vbias, out); break;
+          default: code_sum_batch<V, 4>(zipped, D, padded, g * G, G, w16, step, vbias, out); break;
         }
       }
     }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -124,46 +125,53 @@ TEST(KvCodes, ValueSumsMatchTheReferenceOnEveryLevel) {
     for (int dim : kDims)
       for (int group : {16, 32, 64})
         for (int tokens : kTokens)
-          for (Rows kind : kKinds) {
-            if (dim % group != 0) continue;
-            const Tile t = make_tile({type, KvAxis::token, static_cast<std::uint16_t>(group)}, tokens, dim, kind, 5);
-            ASSERT_TRUE(kernels::codes_values_ok(t.codes));
-            const int nq = 3;
-            const std::size_t stride = static_cast<std::size_t>(tokens) + 1;
-            std::vector<float> p(nq * stride);
-            for (auto& v : p) v = u(rng) * u(rng);
-            p[0] = 1.0f;  // one weight far above the rest
-            const int lo = tokens > 4 ? 1 : 0, hi = tokens > 4 ? tokens - 2 : tokens;
-            std::vector<float> o_ref(static_cast<std::size_t>(nq) * dim, 0.5f);
-            ref.code_sum(t.codes, t.bytes.data(), lo, hi, p.data(), stride, nq, o_ref.data());
-            for (int i = 0; i < nq; ++i) {
-              std::vector<float> o_float(static_cast<std::size_t>(dim), 0.5f);
-              if (hi > lo)
-                ref.weighted_sum(o_float.data(), &p[i * stride + lo], t.decoded.data() + static_cast<std::size_t>(lo) * dim,
-                                 hi - lo, dim);
-              double vmax = 0, psum = 0;
+          for (Rows kind : kKinds)
+            for (const int nq : {1, 3, 6}) {  // the levels sum up to four queries together
+              if (dim % group != 0) continue;
+              const Tile t = make_tile({type, KvAxis::token, static_cast<std::uint16_t>(group)}, tokens, dim, kind, 5);
+              ASSERT_TRUE(kernels::codes_values_ok(t.codes));
+              const std::size_t stride = static_cast<std::size_t>(tokens) + 1;
+              std::vector<float> p(nq * stride);
+              for (auto& v : p) v = u(rng) * u(rng);
+              p[0] = 1.0f;  // one weight far above the rest
+              const int lo = tokens > 4 ? 1 : 0, hi = tokens > 4 ? tokens - 2 : tokens;
+              std::vector<float> o_ref(static_cast<std::size_t>(nq) * dim, 0.5f);
+              ref.code_sum(t.codes, t.bytes.data(), lo, hi, p.data(), stride, nq, o_ref.data());
+              for (int i = 0; i < nq; ++i) {
+                std::vector<float> o_float(static_cast<std::size_t>(dim), 0.5f);
+                if (hi > lo)
+                  ref.weighted_sum(o_float.data(), &p[i * stride + lo], t.decoded.data() + static_cast<std::size_t>(lo) * dim,
+                                   hi - lo, dim);
+                double vmax = 0, psum = 0;
+                for (float v : t.decoded) vmax = std::max(vmax, static_cast<double>(std::abs(v)));
+                for (int j = lo; j < hi; ++j) psum += p[i * stride + j];
+                // 16-bit weights; bytes over 4-bit values (each weight within 1/510 of the largest).
+                const double bound = (type == KvType::q4 ? 6e-3 : 1e-3) * vmax * psum + 1e-5;
+                for (int c = 0; c < dim; ++c)
+                  ASSERT_NEAR(o_ref[static_cast<std::size_t>(i) * dim + c], o_float[static_cast<std::size_t>(c)], bound)
+                      << "bits " << KvCodec{type, KvAxis::token, 0}.bits() << " dim " << dim << " group " << group << " tokens " << tokens;
+              }
+              // The levels differ from the reference only in the order of the
+              // minimums' float sum: a bound relative to the terms' size.
+              double vmax = 1.0;
               for (float v : t.decoded) vmax = std::max(vmax, static_cast<double>(std::abs(v)));
-              for (int j = lo; j < hi; ++j) psum += p[i * stride + j];
-              // 16-bit weights; bytes over 4-bit values (each weight within 1/510 of the largest).
-              const double bound = (type == KvType::q4 ? 6e-3 : 1e-3) * vmax * psum + 1e-5;
-              for (int c = 0; c < dim; ++c)
-                ASSERT_NEAR(o_ref[static_cast<std::size_t>(i) * dim + c], o_float[static_cast<std::size_t>(c)], bound)
-                    << "bits " << KvCodec{type, KvAxis::token, 0}.bits() << " dim " << dim << " group " << group << " tokens " << tokens;
+              const float tol = static_cast<float>(1e-5 * vmax * static_cast<double>(tokens));
+              for (kernels::Isa isa : levels()) {
+                std::vector<float> o(static_cast<std::size_t>(nq) * dim, 0.5f);
+                kernels::tile_kernels(isa).code_sum(t.codes, t.bytes.data(), lo, hi, p.data(), stride, nq, o.data());
+                for (std::size_t c = 0; c < o.size(); ++c)
+                  ASSERT_NEAR(o[c], o_ref[c], tol)
+                      << kernels::isa_name(isa) << " bits " << static_cast<int>(type) << " dim " << dim << " group " << group
+                      << " tokens " << tokens << " queries " << nq;
+                // Each query's sums are its own: the same bits one query at a time.
+                for (int i = 0; i < nq; ++i) {
+                  std::vector<float> one(static_cast<std::size_t>(dim), 0.5f);
+                  kernels::tile_kernels(isa).code_sum(t.codes, t.bytes.data(), lo, hi, &p[i * stride], stride, 1, one.data());
+                  ASSERT_EQ(0, std::memcmp(one.data(), &o[static_cast<std::size_t>(i) * dim], sizeof(float) * one.size()))
+                      << kernels::isa_name(isa) << " query " << i << " of " << nq;
+                }
+              }
             }
-            // The levels differ from the reference only in the order of the
-            // minimums' float sum: a bound relative to the terms' size.
-            double vmax = 1.0;
-            for (float v : t.decoded) vmax = std::max(vmax, static_cast<double>(std::abs(v)));
-            const float tol = static_cast<float>(1e-5 * vmax * static_cast<double>(tokens));
-            for (kernels::Isa isa : levels()) {
-              std::vector<float> o(static_cast<std::size_t>(nq) * dim, 0.5f);
-              kernels::tile_kernels(isa).code_sum(t.codes, t.bytes.data(), lo, hi, p.data(), stride, nq, o.data());
-              for (std::size_t c = 0; c < o.size(); ++c)
-                ASSERT_NEAR(o[c], o_ref[c], tol)
-                    << kernels::isa_name(isa) << " bits " << static_cast<int>(type) << " dim " << dim << " group " << group
-                    << " tokens " << tokens;
-            }
-          }
 }
 
 }  // namespace
