@@ -8,9 +8,8 @@
 #include "qkvshare/engine/engine.hpp"
 #include "qkvshare/kernels/isa.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
-#include "qkvshare/model/synthetic_model.hpp"
 #include "kv_test_util.hpp"
-#include "test_paths.hpp"
+#include "synthetic_files.hpp"
 
 namespace qkvshare {
 namespace {
@@ -86,12 +85,7 @@ TEST_F(PooledEngineTest, F32PoolLogitsMatchTheDenseEngine) {
 // equals the dense engine's over 40 tokens, prefill and decode, also with keys
 // stored before RoPE (each layer's own frequencies when read); int8 tracks it.
 TEST(PooledEngineWindow, Gemma3SlidingWindowLayersOnThePool) {
-  const std::string path = testing::temp_dir() + "/tiny-gemma3-pool.gguf";
-  SyntheticOptions opt;
-  opt.type = GgmlType::F16;
-  opt.n_threads = 2;
-  write_synthetic_model(find_synthetic_shape("tiny-gemma3"), opt, path);
-  const auto model = Model::load(path);
+  const auto model = Model::load(testing::synthetic_file("tiny-gemma3", GgmlType::F16));
   std::vector<TokenId> ids;
   for (int i = 0; i < 40; ++i) ids.push_back((i * 37 + 11) % 500);
   testing::IsaGuard guard;

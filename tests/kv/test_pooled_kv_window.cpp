@@ -16,8 +16,7 @@
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/engine.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
-#include "qkvshare/model/synthetic_model.hpp"
-#include "test_paths.hpp"
+#include "synthetic_files.hpp"
 
 namespace qkvshare {
 namespace {
@@ -26,13 +25,7 @@ constexpr int kBlock = 8;  // tokens per block: the model's window is 8 too
 
 class WindowedPool : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    path_ = new std::string(testing::temp_dir() + "/tiny-gemma3-window.gguf");
-    SyntheticOptions opt;
-    opt.type = GgmlType::F16;
-    opt.n_threads = 2;
-    write_synthetic_model(find_synthetic_shape("tiny-gemma3"), opt, *path_);
-  }
+  static void SetUpTestSuite() { path_ = new std::string(testing::synthetic_file("tiny-gemma3", GgmlType::F16)); }
   static void TearDownTestSuite() {
     delete path_;
     path_ = nullptr;

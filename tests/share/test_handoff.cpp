@@ -8,8 +8,8 @@
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/kv_codebook.hpp"
-#include "qkvshare/model/synthetic_model.hpp"
 #include "share_test_util.hpp"
+#include "synthetic_files.hpp"
 
 namespace qkvshare {
 namespace {
@@ -445,12 +445,7 @@ TEST_F(Handoff, SealValidatesItsInputs) {
 // the global layer's tiles alone, and the consumer continues from them exactly
 // as the producer does; a fork of the consumer too.
 TEST(HandoffWindowed, AConsumerContinuesFromBlocksThatLeftTheWindow) {
-  const std::string path = testing::temp_dir() + "/tiny-gemma3-handoff.gguf";
-  SyntheticOptions opt;
-  opt.type = GgmlType::Q8_0;
-  opt.n_threads = 2;
-  write_synthetic_model(find_synthetic_shape("tiny-gemma3"), opt, path);
-  const auto model = Model::load(path);
+  const auto model = Model::load(testing::synthetic_file("tiny-gemma3", GgmlType::Q8_0));
   const ModelFingerprint fp = model_fingerprint(*model);
   Engine engine(*model, EngineOptions{1});
   auto pool = SharePool::create_anonymous(testing::small_config());

@@ -9,10 +9,10 @@
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/mapped_file.hpp"
-#include "qkvshare/model/synthetic_model.hpp"
 #include "qkvshare/tiers/context_io.hpp"
 #include "qkvshare/tiers/crypto.hpp"
 #include "share/share_test_util.hpp"
+#include "synthetic_files.hpp"
 
 namespace qkvshare {
 namespace {
@@ -282,11 +282,7 @@ TEST(ContextVectors, CommittedFilesImportAndOpen) {
 // same windows and continues bit-identically, exports again to the same bytes;
 // a pool that cannot tell which layers such a block holds refuses it.
 TEST(ContextFileWindowed, BlocksThatLeftTheWindowRoundTrip) {
-  const std::string path = testing::temp_dir() + "/tiny-gemma3-context.gguf";
-  SyntheticOptions opt;
-  opt.n_threads = 2;
-  write_synthetic_model(find_synthetic_shape("tiny-gemma3"), opt, path);
-  const auto model = Model::load(path);
+  const auto model = Model::load(testing::synthetic_file("tiny-gemma3", GgmlType::Q8_0));
   const ModelFingerprint fp = model_fingerprint(*model);
   Engine engine(*model, EngineOptions{1});
   const KvShape shape = engine.kv_shape();
