@@ -1,5 +1,6 @@
 // AVX-512 + VNNI kernels of Q4_0, Q4_1, Q8_0, Q4_K and Q5_K weights on 16-row
-// tiles (Q4_K/Q5_K: see FK45Rows below).
+// tiles (Q4_K/Q5_K: see FK45Rows below; their one-token decode reads rows as
+// they lie instead, see gemv_k_rowmajor).
 // Built with AVX-512 flags; reached only through isa.cpp after the CPU check.
 //
 // A block column of 16 rows (16 x 32 codes) is transposed so that 32-bit
@@ -56,16 +57,13 @@ RowTile row_tile(const GemmArgs& a, std::int64_t r0) {
 }
 inline __m512 low_f16(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
 
-// Codes of 4-bit blocks: 16 bytes per row, transposed 4x4 within each
-// 128-bit lane (lane L of Z_j holds row j + 4L), then split into nibbles:
-// byte j holds codes j (low) and j + 16 (high).
-template <class Block>
-[[gnu::always_inline]] inline void transpose_nibbles(const RowTile& t, std::int64_t b, Tile& out) {
+// 16 bytes per row (at ptr(r)), transposed 4x4 within each 128-bit lane
+// (lane L of Z_j holds row j + 4L): lane r of out[c] holds dword c of row r.
+template <class Ptr>
+[[gnu::always_inline]] inline void transpose16(Ptr ptr, __m512i* out) {
   __m512i z[4];
   for (int j = 0; j < 4; ++j) {
-    const auto qs = [&](int r) {
-      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const Block*>(t.row(r))[b].qs));
-    };
+    const auto qs = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(ptr(r))); };
     __m512i v = _mm512_castsi128_si512(qs(j));
     v = _mm512_inserti32x4(v, qs(j + 4), 1);
     v = _mm512_inserti32x4(v, qs(j + 8), 2);
@@ -73,8 +71,18 @@ template <class Block>
   }
   const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
   const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-  const __m512i raw[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
-                          _mm512_unpackhi_epi64(t1, t3)};
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// Codes of 4-bit blocks: 16 bytes per row, transposed, then split into
+// nibbles: byte j holds codes j (low) and j + 16 (high).
+template <class Block>
+[[gnu::always_inline]] inline void transpose_nibbles(const RowTile& t, std::int64_t b, Tile& out) {
+  __m512i raw[4];
+  transpose16([&](int r) { return reinterpret_cast<const Block*>(t.row(r))[b].qs; }, raw);
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
   for (int c = 0; c < 4; ++c) {
     out.w[c] = _mm512_and_si512(raw[c], lo4);
@@ -261,26 +269,65 @@ struct TileK {
   __m512 d;     // lane r: row r's d
 };
 
-template <class Block, bool kFive>
+// The 16 rows' d, -dmin and 6-bit scales and minimums of super-block sb,
+// lane by lane: sm[0] / sm[1] lane r hold row r's scales 0-3 / 4-7 as bytes,
+// sm[2] / sm[3] its minimums. Shared by the tile and the row-major paths, so
+// that both run the same float operations on the same values.
+struct ScalesK {
+  __m512i sm[4];
+  __m512 d, neg_dmin;
+};
+
+// From lane r = row r's dwords of the block's head: d and dmin, then the 12
+// bytes of packed scales (scales_mins_k4's arithmetic on each lane).
+[[gnu::always_inline]] inline ScalesK unpack_scales(__m512i head, __m512i u0, __m512i u1, __m512i u2) {
+  ScalesK k;
+  k.d = low_f16(head);
+  k.neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), low_f16(_mm512_srli_epi32(head, 16)));
+  const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),
+                low2 = _mm512_set1_epi32(0x03030303);
+  k.sm[0] = _mm512_and_si512(u0, low6);  // scales 0-3
+  k.sm[1] = _mm512_or_si512(_mm512_and_si512(u2, low4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), low2), 4));
+  k.sm[2] = _mm512_and_si512(u1, low6);  // minimums 0-3
+  k.sm[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), low4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), low2), 4));
+  return k;
+}
+
+// The block heads gathered (the tile paths: loading them instead measured no
+// faster there) or loaded 16 bytes per row and transposed (row-major decode,
+// where the four 16-lane gathers took about a fifth of the time).
+template <class Block>
+[[gnu::always_inline]] inline ScalesK scales_k(const RowTile& t, std::int64_t sb) {
+  const __m512i idx = _mm512_load_si512(t.off);
+  const std::uint8_t* base = t.base + static_cast<std::size_t>(sb) * sizeof(Block);
+  const std::uint8_t* sp = base + offsetof(Block, scales);
+  return unpack_scales(_mm512_i32gather_epi32(idx, base, 1), _mm512_i32gather_epi32(idx, sp, 1),
+                       _mm512_i32gather_epi32(idx, sp + 4, 1), _mm512_i32gather_epi32(idx, sp + 8, 1));
+}
+template <class Block>
+[[gnu::always_inline]] inline ScalesK scales_k_loaded(const RowTile& t, std::int64_t sb) {
+  static_assert(offsetof(Block, scales) == 4 && sizeof(Block::scales) == 12);
+  __m512i v[4];
+  transpose16([&](int r) { return reinterpret_cast<const Block*>(t.row(r)) + sb; }, v);
+  return unpack_scales(v[0], v[1], v[2], v[3]);
+}
+
+inline __m512i byte_of(__m512i v, int i) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xff)); }
+// Lane r: row r's scale of sub-block j, and -dmin_r * m_j.
+inline __m512i scale_k(const ScalesK& k, int j) { return byte_of(k.sm[j / 4], j % 4); }
+inline __m512 mins_k(const ScalesK& k, int j) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(byte_of(k.sm[2 + j / 4], j % 4)), k.neg_dmin);
+}
+
+template <class BlockT, bool kFiveBits>
 struct FK45Rows {
+  using Block = BlockT;
+  static constexpr bool kFive = kFiveBits;
   // The 8 sub-block tiles of super-block sb.
   [[gnu::always_inline]] static void decode(const RowTile& t, std::int64_t sb, TileK* out) {
-    const __m512i idx = _mm512_load_si512(t.off);
-    const std::uint8_t* base = t.base + static_cast<std::size_t>(sb) * sizeof(Block);
-    const __m512i head = _mm512_i32gather_epi32(idx, base, 1);
-    const __m512 d = low_f16(head), neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), low_f16(_mm512_srli_epi32(head, 16)));
-    const std::uint8_t* sp = base + offsetof(Block, scales);
-    const __m512i u0 = _mm512_i32gather_epi32(idx, sp, 1), u1 = _mm512_i32gather_epi32(idx, sp + 4, 1),
-                  u2 = _mm512_i32gather_epi32(idx, sp + 8, 1);
-    const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),
-                  low2 = _mm512_set1_epi32(0x03030303);
-    const __m512i sm[4] = {
-        _mm512_and_si512(u0, low6),  // scales 0-3
-        _mm512_or_si512(_mm512_and_si512(u2, low4),
-                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), low2), 4)),
-        _mm512_and_si512(u1, low6),  // minimums 0-3
-        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), low4),
-                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), low2), 4))};
+    const ScalesK ks = scales_k<Block>(t, sb);
     __m512i h[8];
     if constexpr (kFive)
       transpose32([&](int r) { return reinterpret_cast<const Block*>(t.row(r))[sb].qh; }, h);
@@ -298,12 +345,9 @@ struct FK45Rows {
           }
           o.w[k] = u;
         }
-        const auto byte_of = [&](__m512i v, int i) {
-          return _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xff));
-        };
-        o.sc = byte_of(sm[j / 4], j % 4);
-        o.mins = _mm512_mul_ps(_mm512_cvtepi32_ps(byte_of(sm[2 + j / 4], j % 4)), neg_dmin);
-        o.d = d;
+        o.sc = scale_k(ks, j);
+        o.mins = mins_k(ks, j);
+        o.d = ks.d;
       }
     }
   }
@@ -366,10 +410,140 @@ void tokens_k_from_buffer(const GemmArgs& a, const RowTile& rt, std::int64_t r0,
   store<T>(a, rt, r0, t0, acc);
 }
 
+// ---- Q4_K / Q5_K decode, row-major ----
+// One token uses each decoded tile once, so the transposition above costs
+// more than the products it feeds. Here each row's super-block is read as it
+// lies, 64 codes per vector: maddubs sums u * x in 16 bits (at most
+// 2 * 31 * 128, no saturation) and vpdpwssd multiplies each sub-block's sums
+// by its scale into 32-bit lanes. The 16 rows' lane vectors are then summed
+// across lanes in one transposing tree, leaving row r's super-block sum in
+// lane r: the same integer as mac_k's isum (integer sums are exact in any
+// order), followed by mac_k's float operations in mac_k's order. So decode
+// gives the tile path's bits, and a token's result still does not depend on
+// its batch (tests/kernels/test_matmul_isa.cpp).
+
+// The activations of one super-block, paired as a row's codes pair them:
+// vector 2c + half holds sub-blocks 4c + half (low 256 bits) and 4c + 2 + half
+// (high), matching the low (half 0) or high (half 1) nibbles of qs bytes 64c..64c+63.
+struct XK {
+  __m512i x[4];
+};
+inline XK load_xk(const ActQ8& act, std::int64_t sb) {
+  const std::int8_t* q = act.qs + kQK_K * sb;
+  XK o;
+  for (int c = 0; c < 2; ++c) {
+    const __m512i a = _mm512_loadu_si512(q + 128 * c), b = _mm512_loadu_si512(q + 128 * c + 64);
+    o.x[2 * c] = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(1, 0, 1, 0));
+    o.x[2 * c + 1] = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  return o;
+}
+
+// 16-bit lanes of 128-bit lanes 0-1 take byte lo, of lanes 2-3 byte hi, of a
+// broadcast dword (the zero-extended scale of the sub-block a lane multiplies).
+inline __m512i scale_pick(int lo, int hi) {
+  const auto w = [](int b) { return static_cast<std::int32_t>(0x80008000u | (b << 16) | b); };
+  return _mm512_set_epi32(w(hi), w(hi), w(hi), w(hi), w(hi), w(hi), w(hi), w(hi), w(lo), w(lo), w(lo), w(lo), w(lo),
+                          w(lo), w(lo), w(lo));
+}
+
+// One row's super-block: 16 lanes whose sum is the integer sum of its sub-
+// blocks' dots times their scales. sc03 / sc47: the row's scales as bytes.
+template <class Block, bool kFive>
+[[gnu::always_inline]] inline __m512i row_isum_k(const Block* blk, const XK& x, std::int32_t sc03, std::int32_t sc47) {
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  __m512i h;
+  if constexpr (kFive) h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qh)));
+  __m512i isum = _mm512_setzero_si512();
+  for (int c = 0; c < 2; ++c) {
+    const __m512i q = _mm512_loadu_si512(blk->qs + 64 * c);
+    const __m512i sc = _mm512_set1_epi32(c ? sc47 : sc03);
+    for (int half = 0; half < 2; ++half) {
+      __m512i u = _mm512_and_si512(half ? _mm512_srli_epi16(q, 4) : q, lo4);
+      if constexpr (kFive) {
+        // Bit j of qh byte l is the 5th bit of value l of sub-block j; this
+        // vector holds sub-blocks j0 = 4c + half (low half) and j0 + 2 (high):
+        // shift each half's bit to bit 4 (16-bit shifts by at most 4 keep a
+        // byte's bit 4 within the byte).
+        const int j0 = 4 * c + half;
+        const auto shifted = [&](int j) {
+          return j <= 4 ? _mm512_slli_epi16(h, 4 - j) : _mm512_srli_epi16(h, j - 4);
+        };
+        const __m512i hb = _mm512_mask_blend_epi64(0xf0, shifted(j0), shifted(j0 + 2));
+        u = _mm512_ternarylogic_epi32(u, hb, _mm512_set1_epi8(0x10), 0xf8);  // u | (hb & 0x10)
+      }
+      const __m512i s16 = _mm512_shuffle_epi8(sc, scale_pick(half, 2 + half));
+      isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u, x.x[2 * c + half]), s16);
+    }
+  }
+  return isum;
+}
+
+// Dword i of 128-bit lane L of the result: the sum of v[i]'s dwords
+// 4L..4L+3 (four rows' partial sums, one per 128-bit lane).
+inline __m512i sum4(const __m512i* v) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+}
+// Lane 4k + i: the sum of all 16 lanes of row 4k + i, from g[k] = sum4 of
+// rows 4k..4k+3.
+inline __m512i sum16(const __m512i* g) {
+  const auto fold = [](__m512i p, __m512i q) {  // 128-bit lanes: p's 0+1, 2+3, then q's
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(p, q, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(p, q, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return fold(fold(g[0], g[1]), fold(g[2], g[3]));
+}
+
+// Asks for block sb of the row tile_bytes further on (the same row of the
+// next tile), every line of it: the next tile is on its way while this one
+// is read, as prefetch_slice does for the tile paths, without a loop.
+template <class Block>
+[[gnu::always_inline]] inline void prefetch_block(const Block* blk, std::size_t tile_bytes) {
+  const auto* p = reinterpret_cast<const std::uint8_t*>(blk) + tile_bytes;
+  for (std::size_t off = 0; off < sizeof(Block); off += 64) __builtin_prefetch(p + off, 0, 3);
+  __builtin_prefetch(p + sizeof(Block) - 1, 0, 3);
+}
+
+template <class Block, bool kFive>
+void gemv_k_rowmajor(const GemmArgs& a) {
+  const std::int64_t nsb = a.cols / kQK_K;
+  const std::size_t tile_bytes = kRows * a.row_bytes;
+  for (std::int64_t r0 = 0; r0 < a.n_rows; r0 += kRows) {
+    const RowTile rt = row_tile(a, r0);
+    const std::int64_t ahead = a.n_rows - r0 - kRows;  // rows of the next tile
+    __m512 acc = _mm512_setzero_ps();
+    for (std::int64_t sb = 0; sb < nsb; ++sb) {
+      const ScalesK k = scales_k_loaded<Block>(rt, sb);
+      alignas(64) std::int32_t sc03[kRows], sc47[kRows];
+      _mm512_store_si512(sc03, k.sm[0]);
+      _mm512_store_si512(sc47, k.sm[1]);
+      const XK x = load_xk(a.act, sb);
+      __m512i g[4];
+      for (int q = 0; q < 4; ++q) {
+        __m512i v[4];
+        for (int i = 0; i < 4; ++i) {
+          const int r = 4 * q + i;
+          const Block* blk = reinterpret_cast<const Block*>(rt.row(r)) + sb;
+          if (r < ahead) prefetch_block(blk, tile_bytes);
+          v[i] = row_isum_k<Block, kFive>(blk, x, sc03[r], sc47[r]);
+        }
+        g[q] = sum4(v);
+      }
+      const __m512i isum = sum16(g);
+      // mac_k<1>'s float operations, in its order.
+      for (int j = 0; j < 8; ++j) acc = _mm512_fmadd_ps(mins_k(k, j), _mm512_set1_ps(a.act.s[sb * 8 + j]), acc);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(k.d, _mm512_set1_ps(a.act.dk[sb])), acc);
+    }
+    store<1>(a, rt, r0, 0, &acc);
+  }
+}
+
 template <class F>
 void gemm_k_rows(const GemmArgs& a) {
   switch (a.n_tokens) {
-    case 1: return gemv_k_tokens<F, 1>(a);
+    case 1: return gemv_k_rowmajor<typename F::Block, F::kFive>(a);
     case 2: return gemv_k_tokens<F, 2>(a);
     case 3: return gemv_k_tokens<F, 3>(a);
     case 4: return gemv_k_tokens<F, 4>(a);

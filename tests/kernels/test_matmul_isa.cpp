@@ -202,6 +202,29 @@ TEST(MatmulIsa, BatchedTokensGiveTheBitsOfSingleTokens) {
   }
 }
 
+// Q4_K and Q5_K decode reads rows as they lie and sums each super-block
+// across lanes, where prefill reads transposed 16-row tiles: the same bits
+// all the same, over every code, scale and minimum (random bytes), several
+// tiles and a partial one, and many super-blocks.
+TEST(MatmulIsa, KQuantDecodeGivesThePrefillBits) {
+  std::mt19937 rng(23);
+  ThreadPool pool(2);
+  for (GgmlType type : {GgmlType::Q4_K, GgmlType::Q5_K}) {
+    const std::int64_t rows = 53, cols = 2304, tokens = 70;
+    Weights w = make_weights(type, rows, cols, std::vector<float>(static_cast<std::size_t>(rows * cols), 0.0f));
+    randomize_codes(w, 0.05f, rng);
+    const auto x = normal(static_cast<std::size_t>(tokens * cols), 2.0f, rng);
+    for (Isa isa : available_isas()) {
+      const IsaGuard guard(isa);
+      std::vector<float> batched(static_cast<std::size_t>(rows * tokens)), single(batched.size());
+      matmul(pool, w.view, x.data(), tokens, batched.data());
+      for (std::int64_t t = 0; t < tokens; ++t) matmul(pool, w.view, x.data() + t * cols, 1, single.data() + t * rows);
+      EXPECT_EQ(0, std::memcmp(batched.data(), single.data(), batched.size() * sizeof(float)))
+          << type_name(type) << " " << isa_name(isa);
+    }
+  }
+}
+
 TEST(MatmulIsa, RejectsUnsupportedTypesAndForcedUnavailableLevels) {
   std::vector<std::uint8_t> bytes(292 * 4);
   TensorView w;
