@@ -30,14 +30,18 @@ namespace {
 bool window_freed(std::uint32_t flags) noexcept { return (flags & kBlockWindowFreed) != 0; }
 }  // namespace
 
+int KvPool::stored_index(int layer, bool freed) const noexcept {
+  return freed ? global_rank_[static_cast<std::size_t>(layer)] : layer;
+}
+
 std::uint32_t KvPool::pages_for(const KvCodec& k, const KvCodec& v, std::uint32_t flags) const {
-  const auto tiles = static_cast<std::uint32_t>(shape_.stored_layers(window_freed(flags)) * shape_.n_kv_heads);
+  const auto tiles = static_cast<std::uint32_t>((window_freed(flags) ? n_global_ : shape_.n_layers) * shape_.n_kv_heads);
   return kind_pages(tile_layout(k, block_tokens_, shape_.head_dim), page_bytes_, tiles) +
          kind_pages(tile_layout(v, block_tokens_, shape_.head_dim), page_bytes_, tiles);
 }
 
 BlockRef KvPool::allocate(const KvCodec& k, const KvCodec& v, std::uint32_t flags, int key_position) {
-  if (window_freed(flags) && !shape_.frees_windowed())
+  if (window_freed(flags) && !frees_windowed_)
     fail(ErrorCode::invalid_argument, "KV pool: a block without its windowed layers, in a pool whose layers are "
                                       "not both windowed and global");
   const std::uint32_t need = pages_for(k, v, flags);  // validates the codecs against the head
@@ -209,7 +213,7 @@ std::uint64_t KvPool::hash_tiles(const BlockHeader& b, BlockRef ref) const {
   for (int kind = 0; kind < 2; ++kind) {
     const std::size_t bytes = tile_layout(KvCodec::unpack(codecs[kind]), block_tokens_, shape_.head_dim).bytes;
     for (int l = 0; l < shape_.n_layers; ++l)
-      if (shape_.stored_index(l, freed) >= 0)
+      if (stored_index(l, freed) >= 0)
         for (int h = 0; h < shape_.n_kv_heads; ++h) XXH3_64bits_update(st, tile(ref, kind, l, h), bytes);
   }
   const std::uint64_t d = XXH3_64bits_digest(st);
@@ -255,12 +259,12 @@ bool KvPool::checksum_kept(BlockRef ref) const {
 }
 
 bool KvPool::stores_layer(BlockRef ref, int layer) const {
-  return shape_.stored_index(layer, window_freed(checked(ref).flags)) >= 0;
+  return stored_index(layer, window_freed(checked(ref).flags)) >= 0;
 }
 
 const std::byte* KvPool::stored_tile(BlockRef ref, int kind, int layer, int head) const {
   const BlockHeader& b = block(ref.index);
-  return shape_.stored_index(layer, window_freed(b.flags)) < 0 ? nullptr : tile(ref, kind, layer, head);
+  return stored_index(layer, window_freed(b.flags)) < 0 ? nullptr : tile(ref, kind, layer, head);
 }
 
 std::byte* KvPool::tile(BlockRef ref, int kind, int layer, int head) const {
@@ -268,9 +272,9 @@ std::byte* KvPool::tile(BlockRef ref, int kind, int layer, int head) const {
   const KvCodec kc = KvCodec::unpack(b.k_codec);
   const TileLayout lk = tile_layout(kc, block_tokens_, shape_.head_dim);
   const bool freed = window_freed(b.flags);
-  const int stored = shape_.stored_index(layer, freed);
+  const int stored = stored_index(layer, freed);
   QKV_CHECK(stored >= 0);  // a windowed layer's tile that the block left behind
-  const auto tiles = static_cast<std::uint32_t>(shape_.stored_layers(freed) * shape_.n_kv_heads);
+  const auto tiles = static_cast<std::uint32_t>((freed ? n_global_ : shape_.n_layers) * shape_.n_kv_heads);
   const auto i = static_cast<std::uint32_t>(stored * shape_.n_kv_heads + head);
   std::uint32_t slot = 0;
   std::size_t offset = 0;

@@ -135,6 +135,11 @@ void KvPool::bind() {
   static_assert(sizeof(BlockHeader) == kBlockHeaderBytes);  // the stride in kv_pool_layout.hpp
   const Header& h = header();
   shape_ = shape_of(h);
+  // Where a block of the global layers alone keeps each layer, once (tile() asks on every read).
+  frees_windowed_ = shape_.frees_windowed();
+  n_global_ = shape_.global_layers();
+  global_rank_.resize(static_cast<std::size_t>(shape_.n_layers));
+  for (int l = 0; l < shape_.n_layers; ++l) global_rank_[static_cast<std::size_t>(l)] = shape_.stored_index(l, true);
   block_tokens_ = static_cast<int>(h.block_tokens);
   page_bytes_ = h.page_bytes;
   n_pages_ = h.n_pages;

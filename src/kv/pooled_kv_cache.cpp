@@ -266,8 +266,8 @@ void PooledKvCache::require_windows(const std::vector<KvSegment>& segments, int 
 }
 
 void PooledKvCache::free_windowed_layers() {
+  if (!pool_->frees_windowed() || format_.evicts() || !free_windowed_layers_enabled()) return;
   const KvShape& s = shape();
-  if (!s.frees_windowed() || format_.evicts() || !free_windowed_layers_enabled()) return;
   const int T = pool_->block_tokens();
   // Tokens before index `dead` are read by the global layers alone from now on.
   const int dead = size_ + 1 - s.max_window();

@@ -182,8 +182,7 @@ namespace {
 // windowed model too: it never frees windowed layers. One formatted with
 // windows serves only the same windows, as its blocks may lack those layers.
 bool same_shape(const KvShape& have, const KvShape& want) {
-  return have.n_layers == want.n_layers && have.n_heads == want.n_heads && have.n_kv_heads == want.n_kv_heads &&
-         have.head_dim == want.head_dim && (have.layer_window.empty() || have.layer_window == want.layer_window);
+  return have.same_dims(want) && (have.layer_window.empty() || have.layer_window == want.layer_window);
 }
 
 // Lays out [ledger][KvPool arena] in the dynamic part. The

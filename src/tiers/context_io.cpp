@@ -107,8 +107,7 @@ std::unique_ptr<PooledKvCache> import_context(const ContextReader& reader, std::
                                               const BlockCipher* cipher) {
   const ContextMeta& m = reader.meta();
   const KvShape& s = pool->shape();
-  if (s.n_layers != m.shape.n_layers || s.n_heads != m.shape.n_heads || s.n_kv_heads != m.shape.n_kv_heads ||
-      s.head_dim != m.shape.head_dim || pool->block_tokens() != m.block_tokens)
+  if (!s.same_dims(m.shape) || pool->block_tokens() != m.block_tokens)
     fail(ErrorCode::bad_descriptor,
          "import: the context's KV shape ({} layers, {} KV heads x {}, blocks of {}) is not the pool's ({}, {} x {}, {})",
          m.shape.n_layers, m.shape.n_kv_heads, m.shape.head_dim, m.block_tokens, s.n_layers, s.n_kv_heads, s.head_dim,
@@ -176,9 +175,7 @@ SealedContext import_sealed(SharePool& pool, const ContextReader& reader, std::s
     // A file that names no windows (version 2) holds whole blocks, which a pool of the same dimensions
     // takes whatever its windows; otherwise the shapes must agree (or an empty pool is formatted for it).
     kv = pool.kv_pool_if_any();
-    const bool whole_blocks_fit = kv && m.shape.layer_window.empty() && kv->shape().n_layers == m.shape.n_layers &&
-                                  kv->shape().n_heads == m.shape.n_heads &&
-                                  kv->shape().n_kv_heads == m.shape.n_kv_heads && kv->shape().head_dim == m.shape.head_dim;
+    const bool whole_blocks_fit = kv && m.shape.layer_window.empty() && kv->shape().same_dims(m.shape);
     if (!whole_blocks_fit) kv = pool.kv_pool(m.shape);
   } catch (const Error& e) {
     fail(ErrorCode::bad_descriptor, "import: {}", e.what());

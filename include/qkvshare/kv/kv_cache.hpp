@@ -83,6 +83,10 @@ struct KvShape {
   }
   // The dimensions and windows alike.
   bool operator==(const KvShape&) const = default;
+  // The dimensions alone (layers, heads, KV heads, head size).
+  bool same_dims(const KvShape& o) const noexcept {
+    return n_layers == o.n_layers && n_heads == o.n_heads && n_kv_heads == o.n_kv_heads && head_dim == o.head_dim;
+  }
 };
 
 class KvCache {

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "qkvshare/kv/kv_arena.hpp"
 #include "qkvshare/kv/kv_cache.hpp"
@@ -110,6 +111,8 @@ class KvPool {
   KvPool& operator=(const KvPool&) = delete;
 
   const KvShape& shape() const noexcept { return shape_; }
+  // KvShape::frees_windowed() of the pool's shape.
+  bool frees_windowed() const noexcept { return frees_windowed_; }
   int block_tokens() const noexcept { return block_tokens_; }
 
   // A block with refcount 1 and fill 0. Throws Error(out_of_memory) when the
@@ -177,6 +180,7 @@ class KvPool {
   KvPool(std::unique_ptr<Arena> arena, std::unique_ptr<PoolLock> lock);
   void bind();  // reads geometry from the header into members
   static KvShape shape_of(const Header& h);
+  int stored_index(int layer, bool window_freed) const noexcept;  // KvShape::stored_index, from the table
   Header& header() const noexcept;
   BlockHeader& block(std::uint32_t index) const noexcept;
   BlockHeader& checked(BlockRef ref) const;  // live block or Error(internal)
@@ -188,6 +192,9 @@ class KvPool {
   RefLedger* ledger_ = nullptr;
   std::byte* base_ = nullptr;
   KvShape shape_;
+  bool frees_windowed_ = false;
+  int n_global_ = 0;              // KvShape::global_layers()
+  std::vector<int> global_rank_;  // per layer: KvShape::stored_index(layer, true)
   int block_tokens_ = 0;
   std::size_t page_bytes_ = 0;
   std::uint32_t n_pages_ = 0, n_blocks_ = 0, max_pages_ = 0;

@@ -226,7 +226,6 @@ class PooledKvCache final : public KvCache {
   // Error(invalid_argument) when a context of `tokens` tokens over `segments` would read freed windowed layers.
   void require_windows(const std::vector<KvSegment>& segments, int tokens, std::string_view what) const;
   void free_windowed_layers();  // at commit, see windowed_kept_from()
-  int window_scan_ = 0;         // the window's start (in blocks) at the last scan
   // demote() and evict(): the observed attention per block of the only segment, and its cold blocks ranked by it.
   std::vector<double> block_importance() const;
   std::vector<double> ranking() const;
@@ -247,6 +246,7 @@ class PooledKvCache final : public KvCache {
   std::vector<KvSegment> segments_;
   int base_ = 0;  // tokens before the last (writable) segment
   int position_gap_ = 0;
+  int window_scan_ = 0;  // free_windowed_layers(): the window's start (in blocks) at its last scan
   KvRope rope_;
   // keys=pre: the RoPE rows of every position up to the largest one read
   // (kv/rope_table.hpp, shared by the process's caches); held until the next plan needs more.
