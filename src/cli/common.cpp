@@ -10,6 +10,7 @@
 #include "qkvshare/core/clock.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
+#include "qkvshare/kv/shared_block_reads.hpp"
 #include "qkvshare/share/fingerprint.hpp"
 
 namespace qkvshare::cli {
@@ -32,6 +33,9 @@ void add_model_args(CLI::App& cmd, ModelArgs& args) {
   cmd.add_flag("--kv-keep-windowed-layers", args.kv_keep_windowed,
                "Blocks of the KV pool keep every layer's K/V after their tokens left the model's sliding window "
                "(gemma3's local layers), instead of only the global layers' (the earlier behaviour; to measure both ways)");
+  cmd.add_flag("--kv-private-reads", args.kv_private_reads,
+               "Sessions decoding in one batch each read the KV blocks they share (forks of one context) through their "
+               "own attention, instead of once for all of them (the earlier behaviour; to measure both ways)");
 }
 
 EngineOptions engine_options(const ModelArgs& args) {
@@ -45,6 +49,7 @@ EngineOptions engine_options(const ModelArgs& args) {
   kv::set_codes_attention(!args.kv_decode_tiles);
   set_default_pass_precision(args.kv_stored_in_pass ? PassPrecision::stored : PassPrecision::full);
   set_free_windowed_layers(!args.kv_keep_windowed);
+  kv::set_shared_block_reads(!args.kv_private_reads);
   return o;
 }
 

@@ -235,6 +235,7 @@ void Engine::run_batch(std::span<const BatchEntry> entries) {
       }
       works_.push_back(&cache.plan_attend(l, rows(i), &q_[r0 * qd], &att_[r0 * qd], window));
     }
+    shared_reads_.share(works_);
     run_attend_works(works_, pool_);
     project({{&lw.wo, xb_.data()}}, att_.data(), n);
     add_residual(lw.attn_post_norm, n);

@@ -19,8 +19,8 @@ namespace qkvshare::kv {
 
 namespace {
 
-constexpr int kChunkTokens = 16;      // query tokens per job: a decoded tile serves them all
-constexpr int kPartitionBlocks = 16;  // keys per job in decode (split-K), merged afterwards
+constexpr int kChunkTokens = 16;  // query tokens per job: a decoded tile serves them all
+constexpr int kPartitionBlocks = BlockAttend::kPartitionBlocks;  // keys per job in decode (split-K), merged afterwards
 
 using Ops = kernels::TileKernels;
 
@@ -290,6 +290,7 @@ void BlockAttend::prepare(const AttendInput& in, AttendPath path) {
   QKV_CHECK(in.n > 0 && in.n_blocks * in.block_tokens >= in.key_total() && in.key_lo >= 0 &&
             in.key_lo < in.block_tokens);
   in_ = in;
+  given_ = 0;
   const bool plain = in.key_lo == 0 && in.key_end < 0 && in.causal && in.out_ml == nullptr;
   bool all_f32 = true;
   for (int b = 0; b < in.n_blocks; ++b)
@@ -325,7 +326,8 @@ void BlockAttend::prepare(const AttendInput& in, AttendPath path) {
 std::size_t BlockAttend::jobs() const noexcept {
   const KvShape& s = in_.shape;
   if (ops_ == nullptr) return static_cast<std::size_t>(in_.n) * static_cast<std::size_t>(s.n_heads);
-  return static_cast<std::size_t>(s.n_kv_heads) * static_cast<std::size_t>(chunks_) * static_cast<std::size_t>(parts_);
+  return static_cast<std::size_t>(s.n_kv_heads) * static_cast<std::size_t>(chunks_) *
+         static_cast<std::size_t>(parts_ - given_);
 }
 
 double BlockAttend::job_cost() const noexcept {
@@ -343,8 +345,8 @@ void BlockAttend::run(std::size_t job) {
     attend_exact_job(in_, job);
     return;
   }
-  const auto parts = static_cast<std::size_t>(parts_), chunks = static_cast<std::size_t>(chunks_);
-  const int p = static_cast<int>(job % parts);
+  const auto parts = static_cast<std::size_t>(parts_ - given_), chunks = static_cast<std::size_t>(chunks_);
+  const int p = given_ + static_cast<int>(job % parts);
   const int c = static_cast<int>(job / parts % chunks);
   const int h = static_cast<int>(job / parts / chunks);
   const int t0 = c * kChunkTokens, t1 = std::min(in_.n, t0 + kChunkTokens);
@@ -390,6 +392,11 @@ void BlockAttend::finish() {
     for (int c = 0; c < D; ++c) dst[c] *= inv;
     if (in_.rotate_v) unrotate(dst, D);
   }
+}
+
+void attend_partition(const AttendInput& in, const kernels::TileKernels& ops, int kv_head, int t0, int t1, int b0,
+                      int b1, BlockAttend::Partial* ml, float* o) {
+  run_job(in, ops, kv_head, t0, t1, b0, b1, true, ml, o);
 }
 
 void set_codes_attention(bool on) noexcept { g_codes_attention.store(on, std::memory_order_relaxed); }

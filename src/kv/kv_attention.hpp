@@ -93,15 +93,38 @@ class BlockAttend final : public AttendWork {
     float m, l;
   };
 
+  const AttendInput& input() const noexcept { return in_; }
+  const kernels::TileKernels* ops() const noexcept { return ops_; }
+  // Decode's key partitions (split-K): kPartitionBlocks blocks each from
+  // block first_block(); 1 when the keys are not split.
+  int partitions() const noexcept { return parts_; }
+  int first_block() const noexcept { return first_block_; }
+  static constexpr int kPartitionBlocks = 16;
+  // Partitions [0, n) are computed elsewhere (SharedBlockReads: blocks that
+  // other sessions' plans read too): jobs() leaves them out, and their softmax
+  // pieces must be in partition_ml/partition_o before finish(). Until the next prepare().
+  void give_partitions(int n) noexcept { given_ = n; }
+  Partial* partition_ml(int p) noexcept { return ml_.data() + slots_ * static_cast<std::size_t>(p); }
+  float* partition_o(int p) noexcept {
+    return po_.data() + slots_ * static_cast<std::size_t>(p) * static_cast<std::size_t>(in_.shape.head_dim);
+  }
+
  private:
   AttendInput in_;
   const kernels::TileKernels* ops_ = nullptr;  // null: the exact f32 path
-  int chunks_ = 0, parts_ = 1;
+  int chunks_ = 0, parts_ = 1, given_ = 0;
   int first_block_ = 0;  // the first block any query sees (a sliding window's start)
   std::size_t slots_ = 0;
   std::vector<Partial> ml_;  // [parts][n][n_heads] softmax pieces of split-K decode
   std::vector<float> po_;    // [parts][n][n_heads][head_dim]
 };
+
+// Queries [t0, t1) of KV head kv_head over blocks [b0, b1): the softmax
+// pieces of one split-K partition, at slot t * n_heads + h of ml and o (as
+// BlockAttend's jobs compute them: each query's bits do not depend on the
+// others in the call).
+void attend_partition(const AttendInput& in, const kernels::TileKernels& ops, int kv_head, int t0, int t1, int b0,
+                      int b1, BlockAttend::Partial* ml, float* o);
 
 // prepare + run on `pool` + finish: one input alone.
 void attend_blocks(const AttendInput& in, AttendPath path, ThreadPool& pool);

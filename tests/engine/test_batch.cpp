@@ -11,6 +11,7 @@
 #include "qkvshare/engine/engine.hpp"
 #include "qkvshare/kv/dense_kv_cache.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
+#include "qkvshare/kv/shared_block_reads.hpp"
 #include "test_paths.hpp"
 
 namespace qkvshare {
@@ -120,6 +121,51 @@ TEST_F(BatchTest, MixedBatchMatchesEachAloneToRoundingWithDefaultKernels) {
   EngineOptions eo;
   eo.n_threads = 2;
   for (const char* f : {"dense", "f16", "int8", "int4"}) compare_schedule(eo, f, 1e-4f);
+}
+
+// Forks of one 200-token context decode together, in a pool of 8-token
+// blocks (a split-K partition is 128 tokens): the batch reads their common
+// blocks once per layer (kv::SharedBlockReads), and every session's logits
+// keep the bits it gets alone, with the reads shared and without.
+TEST_F(BatchTest, ForksDecodingTogetherKeepTheirBitsWithSharedBlockReads) {
+  EngineOptions eo;
+  eo.n_threads = 2;
+  eo.exact_matmul = true;  // batch-invariant matmuls: attention is what differs
+  std::vector<TokenId> prompt;
+  while (prompt.size() < 200)
+    for (const auto& p : prompts_) prompt.insert(prompt.end(), p.begin(), p.end());
+  prompt.resize(200);
+  for (const char* format : {"f16", "int8", "int4", "k8v4:rot=kv"}) {
+    for (const bool shared : {true, false}) {
+      kv::set_shared_block_reads(shared);
+      Engine batched(*model_, eo), alone(*model_, eo);
+      auto pool = KvPool::create(PoolConfig{batched.kv_shape(), 8, 64 << 20});
+      Session parent(std::make_unique<PooledKvCache>(pool, KvFormat::parse(format), 512));
+      batched.forward(parent, prompt);
+      const auto& parent_cache = dynamic_cast<const PooledKvCache&>(parent.cache());
+      std::vector<std::unique_ptr<Session>> a, b;
+      for (int s = 0; s < 4; ++s) {
+        a.push_back(std::make_unique<Session>(parent_cache.fork(), parent.tokens()));
+        b.push_back(std::make_unique<Session>(parent_cache.fork(), parent.tokens()));
+      }
+      for (int step = 0; step < 3; ++step) {
+        std::vector<TokenId> next;
+        std::vector<BatchEntry> entries;
+        for (int s = 0; s < 4; ++s) next.push_back(static_cast<TokenId>(40 + 11 * s + step));
+        for (int s = 0; s < 4; ++s) entries.push_back({a[static_cast<std::size_t>(s)].get(), std::span<const TokenId>(&next[static_cast<std::size_t>(s)], 1), LogitsWanted::last});
+        const auto out = batched.forward_batch(entries);
+        for (int s = 0; s < 4; ++s) {
+          ASSERT_TRUE(out[static_cast<std::size_t>(s)].ok());
+          const auto want = alone.forward(*b[static_cast<std::size_t>(s)], std::span<const TokenId>(&next[static_cast<std::size_t>(s)], 1));
+          const auto& got = out[static_cast<std::size_t>(s)].logits;
+          ASSERT_EQ(want.size(), got.size());
+          EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
+              << format << (shared ? " shared" : " private") << " step " << step << " session " << s;
+        }
+      }
+    }
+  }
+  kv::set_shared_block_reads(true);
 }
 
 TEST_F(BatchTest, LogitsWantedNoneLastAll) {

@@ -28,6 +28,7 @@
 #include "qkvshare/core/thread_pool.hpp"
 #include "qkvshare/kv/kv_cache.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
+#include "qkvshare/kv/shared_block_reads.hpp"
 #include "qkvshare/model/model.hpp"
 
 namespace qkvshare {
@@ -151,6 +152,7 @@ class Engine {
   std::vector<int> row0_;
   std::vector<char> alive_;
   std::vector<AttendWork*> works_;
+  kv::SharedBlockReads shared_reads_;  // sessions' common prefix blocks read once per layer
   // float_activations: the f32 copy of each block-quantized weight, by the
   // address of its data (a tied output shares the embedding's copy).
   std::unordered_map<const std::uint8_t*, TensorView> float_views_;
