@@ -36,6 +36,9 @@ void add_model_args(CLI::App& cmd, ModelArgs& args) {
   cmd.add_flag("--kv-private-reads", args.kv_private_reads,
                "Sessions decoding in one batch each read the KV blocks they share (forks of one context) through their "
                "own attention, instead of once for all of them (the earlier behaviour; to measure both ways)");
+  cmd.add_flag("--kv-quantize-in-pass", args.kv_quantize_in_pass,
+               "A decode step quantizes the KV blocks it fills itself, instead of on a background thread while the pass "
+               "goes on (the earlier behaviour; to measure both ways)");
 }
 
 EngineOptions engine_options(const ModelArgs& args) {
@@ -50,6 +53,7 @@ EngineOptions engine_options(const ModelArgs& args) {
   set_default_pass_precision(args.kv_stored_in_pass ? PassPrecision::stored : PassPrecision::full);
   set_free_windowed_layers(!args.kv_keep_windowed);
   kv::set_shared_block_reads(!args.kv_private_reads);
+  set_background_quantization(!args.kv_quantize_in_pass);
   return o;
 }
 

@@ -21,10 +21,11 @@ struct ModelArgs {
   bool kv_decode_tiles = false;
   bool kv_keep_windowed = false;
   bool kv_private_reads = false;
+  bool kv_quantize_in_pass = false;
 };
 
 // -m MODEL, -t TOKENIZER, --threads N, --exact-matmul, --float-activations, --kv-decode-tiles,
-// --kv-stored-in-pass, --kv-keep-windowed-layers, --kv-private-reads
+// --kv-stored-in-pass, --kv-keep-windowed-layers, --kv-private-reads, --kv-quantize-in-pass
 void add_model_args(CLI::App& cmd, ModelArgs& args);
 EngineOptions engine_options(const ModelArgs& args);
 // Loads the model, reporting the load time on stderr.

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 
+#include "background_worker.hpp"
 #include "kv_attention.hpp"
 #include "rope_table.hpp"
 #include "qkvshare/core/error.hpp"
@@ -90,6 +91,7 @@ struct PooledKvCache::Step {
     bool fresh = false;  // dst was allocated by this pass
     int slot = -1;       // its pass copy in pass_tiles (PassPrecision::full), or -1
     int key_pos = 0;     // BlockInfo::key_position
+    int deferred = -1;   // its place in deferred_rows_ when quantized in the background
   };
   int n = 0;
   int next_layer = 0;
@@ -118,12 +120,18 @@ struct PooledKvCache::Step {
 namespace {
 std::atomic<PassPrecision> g_pass_precision{PassPrecision::full};
 std::atomic<bool> g_free_windowed{true};
+std::atomic<bool> g_background_quantization{true};
+// Decode steps fill one block per session at a time; a prefill chunk that fills
+// many quantizes them itself (the rows kept for the worker would be the chunk's size).
+constexpr int kDeferredBlocks = 2;
 }
 
 void set_default_pass_precision(PassPrecision p) noexcept { g_pass_precision.store(p, std::memory_order_relaxed); }
 PassPrecision default_pass_precision() noexcept { return g_pass_precision.load(std::memory_order_relaxed); }
 void set_free_windowed_layers(bool on) noexcept { g_free_windowed.store(on, std::memory_order_relaxed); }
 bool free_windowed_layers_enabled() noexcept { return g_free_windowed.load(std::memory_order_relaxed); }
+void set_background_quantization(bool on) noexcept { g_background_quantization.store(on, std::memory_order_relaxed); }
+bool background_quantization() noexcept { return g_background_quantization.load(std::memory_order_relaxed); }
 
 PooledKvCache::PooledKvCache(std::shared_ptr<KvPool> pool, const KvFormat& format, int capacity)
     : pool_(std::move(pool)), format_(format), capacity_(capacity) {
@@ -304,7 +312,14 @@ std::size_t PooledKvCache::kv_bytes() const {
   return total;
 }
 
+void PooledKvCache::settle_quantization() noexcept {
+  if (deferred_ticket_ == 0) return;
+  kv::BackgroundWorker::get(kv::BackgroundWorker::Purpose::quantization).wait(deferred_ticket_);
+  deferred_ticket_ = 0;
+}
+
 void PooledKvCache::discard_step() noexcept {
+  settle_quantization();  // the worker may still write into this pass's blocks
   if (!step_) return;
   for (const Step::Work& w : step_->work)
     if (w.fresh) pool_->release(w.dst);
@@ -380,6 +395,22 @@ void PooledKvCache::plan(int n) {
     if (w.dk.quantized()) step->view_slot[static_cast<std::size_t>(w.block) * 2] = w.slot;
     if (w.dv.quantized()) step->view_slot[static_cast<std::size_t>(w.block) * 2 + 1] = w.slot;
   }
+  // Blocks this pass fills whose hot copies it reads: quantized in the background.
+  int deferred = 0;
+  if (background_quantization()) {
+    for (const Step::Work& w : step->work)
+      deferred += w.slot >= 0 && w.dst != w.src ? 1 : 0;
+    if (deferred > kDeferredBlocks) deferred = 0;
+  }
+  if (deferred > 0) {
+    int next = 0;
+    for (Step::Work& w : step->work)
+      if (w.slot >= 0 && w.dst != w.src) w.deferred = next++;
+    const KvShape& s = shape();
+    deferred_rows_.resize(static_cast<std::size_t>(deferred) * static_cast<std::size_t>(s.n_layers) * 2 *
+                          static_cast<std::size_t>(s.n_kv_heads) * static_cast<std::size_t>(T) *
+                          static_cast<std::size_t>(s.head_dim));
+  }
   if (step->slots > 0) {
     const KvShape& s = shape();
     step->pass_tile_bytes = std::max(tile_layout(hk, T, s.head_dim).bytes, tile_layout(hv, T, s.head_dim).bytes);
@@ -443,6 +474,14 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
   const int old_rows = std::clamp(done - first, 0, T), end_rows = std::clamp(done + n - first, 0, T);
   std::vector<float>& rows = step_->rows;
   rows.resize(static_cast<std::size_t>(T) * static_cast<std::size_t>(D));
+  struct Encode {
+    KvCodec codec;
+    TileLayout layout;
+    const float* rows;
+    std::byte* tile;
+    kv::CodebookSlice book;
+  };
+  std::vector<Encode> encodes;  // this layer's tiles of a block quantized in the background
   for (int kind = 0; kind < 2; ++kind) {
     const KvCodec& dc = kind == 0 ? w.dk : w.dv;
     const KvCodec& sc = kind == 0 ? w.sk : w.sv;
@@ -463,7 +502,17 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
         std::memcpy(&rows[static_cast<std::size_t>(r) * D], in_row(r), sizeof(float) * static_cast<std::size_t>(D));
       if (dc.quantized()) {
         QKV_CHECK(end_rows == T);  // only full blocks are quantized
-        kv::encode_tile(dc, dl, rows.data(), dst, kv::codebook_slice(format_, dc, kind, layer, h));
+        const kv::CodebookSlice book = kv::codebook_slice(format_, dc, kind, layer, h);
+        if (w.deferred >= 0) {  // rows kept for the worker; queued below with the layer's other tiles
+          float* kept = deferred_rows_.data() +
+                        ((((static_cast<std::size_t>(w.deferred) * s.n_layers + static_cast<std::size_t>(layer)) * 2 +
+                           static_cast<std::size_t>(kind)) * s.n_kv_heads + static_cast<std::size_t>(h)) *
+                         static_cast<std::size_t>(T) * static_cast<std::size_t>(D));
+          std::copy(rows.begin(), rows.begin() + static_cast<std::ptrdiff_t>(T) * D, kept);
+          encodes.push_back({dc, dl, kept, dst, book});
+        } else {
+          kv::encode_tile(dc, dl, rows.data(), dst, book);
+        }
         if (w.slot >= 0) {  // the pass reads these rows at the hot precision
           const KvCodec hc = hot_codec(dc);
           const TileLayout hl = tile_layout(hc, T, D);
@@ -475,6 +524,14 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
       }
     }
   }
+  if (encodes.empty()) return;
+  // The pass reads this block's hot copies; nothing reads its codes before commit(), which waits for them.
+  const auto job = [encodes = std::move(encodes)] {
+    for (const Encode& e : encodes) kv::encode_tile(e.codec, e.layout, e.rows, e.tile, e.book);
+  };
+  const std::uint64_t ticket = kv::BackgroundWorker::get(kv::BackgroundWorker::Purpose::quantization).push(job);
+  if (ticket == 0) job();  // no worker in this process (a child of fork())
+  else deferred_ticket_ = ticket;
 }
 
 AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* out, int window) {
@@ -622,6 +679,7 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
 void PooledKvCache::commit(int n) {
   if (n == 0 && !step_) return;
   QKV_CHECK(step_ && step_->n == n && step_->next_layer == shape().n_layers);
+  settle_quantization();  // from here on the blocks hold their codes, as if quantized in the pass
   const int T = pool_->block_tokens();
   for (const Step::Work& w : step_->work) {
     const int fill = std::clamp(size_ - base_ + n - w.block * T, 0, T);

@@ -88,6 +88,13 @@ PassPrecision default_pass_precision() noexcept;
 // on; the CLI's --kv-keep-windowed-layers turns it off, to measure both ways).
 void set_free_windowed_layers(bool on) noexcept;
 bool free_windowed_layers_enabled() noexcept;
+// Whether a decode step quantizes the blocks it fills on a background thread
+// while the pass goes on (it reads their f16 pass copies meanwhile; commit()
+// waits for the codes, so every later reader, and every result, is as
+// without), or on the calling thread. Process-wide, default on; the CLI's
+// --kv-quantize-in-pass turns it off, to measure both ways.
+void set_background_quantization(bool on) noexcept;
+bool background_quantization() noexcept;
 
 class PooledKvCache final : public KvCache {
  public:
@@ -218,6 +225,8 @@ class PooledKvCache final : public KvCache {
   AttendWork& plan_segments(int layer, int n, const float* q, float* out, int window);
   void plan(int n);
   void discard_step() noexcept;
+  // Waits for this pass's blocks quantized in the background (see above).
+  void settle_quantization() noexcept;
   void write_block(int layer, int b, const float* k, const float* v, int n);
   // The tile attention reads this pass for view block b (the pass copy when it has one).
   const std::byte* pass_tile(int b, int kind, int layer, int kv_head) const;
@@ -259,6 +268,10 @@ class PooledKvCache final : public KvCache {
   AttendPath path_ = AttendPath::automatic;
   PassPrecision pass_precision_ = default_pass_precision();
   std::vector<float> rotated_;  // k/v rows of a write, rotated per head
+  // Rows of the blocks this pass fills, kept for the background quantization
+  // ([block][layer][kind][kv_head][row][dim]), and the ticket of its last job.
+  std::vector<float> deferred_rows_;
+  std::uint64_t deferred_ticket_ = 0;
   // Mixed formats: the last kObservedQueries committed queries, [n][n_layers][q_dim], and their positions.
   std::vector<float> observed_;
   std::vector<int> observed_pos_;
