@@ -27,7 +27,7 @@ struct BackgroundQuantization {
 
 // A 40-token prompt, then 60 decode steps (blocks of 16 fill at steps 8, 24, 40, 56);
 // every attention output of every pass, in order.
-std::vector<float> decode(PooledKvCache& cache, ThreadPool& pool) {
+std::vector<float> decode_steps(PooledKvCache& cache, ThreadPool& pool) {
   std::vector<float> all = testing::run_pass(cache, random_pass(cache.shape(), 40, 1), 40, pool);
   for (int step = 0; step < 60; ++step) {
     const std::vector<float> out = testing::run_pass(cache, random_pass(cache.shape(), 1, 100 + step), 1, pool);
@@ -46,7 +46,7 @@ TEST(KvPool, BlocksQuantizedInTheBackgroundGiveTheBitsOfThePass) {
       auto pool = KvPool::create(PoolConfig{kStoriesKvShape, 16, 8u << 20});
       BackgroundQuantization mode(background);
       auto cache = std::make_unique<PooledKvCache>(pool, KvFormat::parse(format), 256);
-      outs[background] = decode(*cache, threads);
+      outs[background] = decode_steps(*cache, threads);
       for (const BlockRef b : cache->segments().back().blocks) sums[background].push_back(pool->compute_checksum(b));
       cache.reset();
       EXPECT_EQ(pool->counters().blocks_used, 0u) << format;

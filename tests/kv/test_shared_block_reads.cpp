@@ -23,7 +23,7 @@ namespace {
 using testing::Pass;
 using testing::random_pass;
 
-constexpr int kBlock = 4;  // 16 blocks (a split-K partition) = 64 tokens
+constexpr int kSharedTestBlock = 4;  // 16 blocks (a split-K partition) = 64 tokens
 
 // keys=pre caches rotate keys when they read them: the frequencies for a pass.
 void give_rope(KvCache& cache) {
@@ -35,7 +35,7 @@ void give_rope(KvCache& cache) {
 }
 
 // Fills `cache` with `n` tokens in passes of 37 (partly filled blocks in between).
-void fill(PooledKvCache& cache, int n, unsigned seed, ThreadPool& pool) {
+void fill_forked(PooledKvCache& cache, int n, unsigned seed, ThreadPool& pool) {
   for (int done = 0; done < n;) {
     give_rope(cache);
     const int m = std::min(37, n - done);
@@ -94,7 +94,7 @@ void expect_same_bits(const Outcome& o, const std::string& what) {
 class SharedBlockReadsTest : public ::testing::TestWithParam<const char*> {
  protected:
   KvShape shape_{3, 6, 2, 64};  // GQA groups of 3, head_dim 64 (SmolLM2's)
-  std::shared_ptr<KvPool> pool_ = KvPool::create(PoolConfig{shape_, kBlock, 64 << 20});
+  std::shared_ptr<KvPool> pool_ = KvPool::create(PoolConfig{shape_, kSharedTestBlock, 64 << 20});
   ThreadPool threads_{2};
 };
 
@@ -105,11 +105,11 @@ TEST_P(SharedBlockReadsTest, ForksDecodingTogetherKeepEveryBitOnEveryIsa) {
     kernels::set_active_isa(isa);
     const KvFormat f = KvFormat::parse(GetParam());
     PooledKvCache parent(pool_, f, 512);
-    fill(parent, 150, 1, threads_);  // 37 full blocks: 2 whole partitions, a third begun
+    fill_forked(parent, 150, 1, threads_);  // 37 full blocks: 2 whole partitions, a third begun
     auto a = parent.fork(), b = parent.fork(), c = parent.fork();
-    fill(*c, 70, 50, threads_);      // c moves on: its third partition is its own
+    fill_forked(*c, 70, 50, threads_);      // c moves on: its third partition is its own
     PooledKvCache stranger(pool_, f, 512);  // as deep, other blocks
-    fill(stranger, 150, 77, threads_);
+    fill_forked(stranger, 150, 77, threads_);
     for (int step = 0; step < 3; ++step) {
       const Outcome o = step_both_ways({a.get(), &stranger, b.get(), c.get()}, {1, 1, 1, 1}, threads_);
       const std::string what = std::string(GetParam()) + " " + std::string(kernels::isa_name(isa)) + " step " +
@@ -128,7 +128,7 @@ class SharedBlockReadsCases : public SharedBlockReadsTest {};
 
 TEST_F(SharedBlockReadsCases, PrefillChunksAndPreRopeKeysReadAlone) {
   PooledKvCache parent(pool_, KvFormat::parse("int8"), 512);
-  fill(parent, 150, 1, threads_);
+  fill_forked(parent, 150, 1, threads_);
   auto a = parent.fork(), b = parent.fork();
   // b prefills 6 tokens: a plan with more than a decode step's queries does not split its keys.
   Outcome o = step_both_ways({a.get(), b.get()}, {1, 6}, threads_);
@@ -136,9 +136,9 @@ TEST_F(SharedBlockReadsCases, PrefillChunksAndPreRopeKeysReadAlone) {
   for (const int g : o.groups) EXPECT_EQ(g, 0);
 
   KvShape s = shape_;
-  auto pre_pool = KvPool::create(PoolConfig{s, kBlock, 64 << 20});
+  auto pre_pool = KvPool::create(PoolConfig{s, kSharedTestBlock, 64 << 20});
   PooledKvCache pre(pre_pool, KvFormat::parse("int8:keys=pre"), 512);
-  fill(pre, 150, 1, threads_);
+  fill_forked(pre, 150, 1, threads_);
   auto p1 = pre.fork(), p2 = pre.fork();
   o = step_both_ways({p1.get(), p2.get()}, {1, 1}, threads_);
   expect_same_bits(o, "keys=pre");
@@ -147,7 +147,7 @@ TEST_F(SharedBlockReadsCases, PrefillChunksAndPreRopeKeysReadAlone) {
 
 TEST_F(SharedBlockReadsCases, SwitchedOffNothingIsShared) {
   PooledKvCache parent(pool_, KvFormat::parse("int4"), 512);
-  fill(parent, 150, 1, threads_);
+  fill_forked(parent, 150, 1, threads_);
   auto a = parent.fork(), b = parent.fork();
   kv::set_shared_block_reads(false);
   const Outcome o = step_both_ways({a.get(), b.get()}, {1, 1}, threads_);
@@ -158,7 +158,7 @@ TEST_F(SharedBlockReadsCases, SwitchedOffNothingIsShared) {
 
 TEST_F(SharedBlockReadsCases, ShallowForksShareNothing) {
   PooledKvCache parent(pool_, KvFormat::parse("f16"), 512);
-  fill(parent, 60, 1, threads_);  // under one partition before the queries
+  fill_forked(parent, 60, 1, threads_);  // under one partition before the queries
   auto a = parent.fork(), b = parent.fork();
   const Outcome o = step_both_ways({a.get(), b.get()}, {1, 1}, threads_);
   expect_same_bits(o, "shallow");
