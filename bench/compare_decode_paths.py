@@ -33,7 +33,7 @@ PATHS = {
 
 
 def run_once(a, kv, flag, tmp):
-    label_new, earlier_flag, _, _, shared = PATHS[a.which]
+    _, earlier_flag, _, _, shared = PATHS[a.which]
     cmd = [a.qkvshare, "bench", "-m", a.model, "--threads", a.threads, "-r", 1, "-n", a.n_gen, "-d", a.depth,
            "--batch", ",".join(map(str, a.batches)), "--kv", kv, "--json", tmp]
     if shared:
