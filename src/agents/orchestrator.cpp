@@ -126,6 +126,7 @@ class Run {
         config.max_tokens = opts.context;
         config.max_contexts = static_cast<int>(wf.steps.size()) + 4;
         config.max_grants = 4 * static_cast<int>(wf.steps.size()) + 4;
+        config.lease_ms = opts.lease_ms;
         config.bytes = KvPool::arena_bytes_for(shape, config.block_tokens, KvFormat::parse("f16"), opts.context,
                                                static_cast<int>(wf.steps.size()) + 2) +
                        (std::size_t{32} << 20);

@@ -1,4 +1,4 @@
-// qkvshare pool serve|stat|unlink: the shared-memory pool other processes map.
+// qkvshare pool serve|stat|ls|unlink: the shared-memory pool other processes map.
 #include <signal.h>
 
 #include <cerrno>
@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <ctime>
 #include <iostream>
+#include <nlohmann/json.hpp>
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
@@ -19,6 +20,7 @@ namespace {
 struct PoolArgs {
   std::string name, bytes = "256M";
   ShareConfig config;
+  bool json = false;
 };
 
 void run_serve(PoolArgs& a) {
@@ -32,8 +34,8 @@ void run_serve(PoolArgs& a) {
   sigaddset(&stop, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   auto pool = SharePool::create(a.name, a.config);
-  std::printf("pool %s ready: %zu bytes, %d contexts of up to %d tokens, %d processes\n", a.name.c_str(),
-              a.config.bytes, a.config.max_contexts, a.config.max_tokens, a.config.max_processes);
+  std::printf("pool %s ready: %zu bytes, %d contexts of up to %d tokens, %d processes, lease %d ms\n", a.name.c_str(),
+              a.config.bytes, a.config.max_contexts, a.config.max_tokens, a.config.max_processes, a.config.lease_ms);
   std::fflush(stdout);
   const long ms = a.config.reap_interval_ms;
   const timespec wait{ms / 1000, (ms % 1000) * 1000000L};
@@ -59,6 +61,27 @@ void run_stat(const PoolArgs& a) {
   std::cout << pool->stats().json() << "\n";
 }
 
+void run_ls(const PoolArgs& a) {
+  auto pool = SharePool::attach(a.name);
+  pool->reap();
+  const std::vector<GrantInfo> grants = pool->grants();
+  if (a.json) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const GrantInfo& g : grants)
+      j.push_back({{"grant", g.slot}, {"generation", g.generation}, {"context", g.context_id}, {"producer", g.producer},
+                   {"grantee", g.grantee}, {"holder_pid", g.holder_pid}, {"state", g.state}, {"idle_ms", g.idle_ms}});
+    std::cout << nlohmann::json{{"lease_ms", pool->lease_ms()}, {"grants", j}}.dump(2) << "\n";
+    return;
+  }
+  std::printf("%-8s %-10s %-16s %-16s %-10s %-10s %10s\n", "grant", "context", "producer", "grantee", "holder", "state",
+              "idle ms");
+  for (const GrantInfo& g : grants)
+    std::printf("%-8u %-10llu %-16s %-16s %-10d %-10s %10llu\n", g.slot, static_cast<unsigned long long>(g.context_id),
+                g.producer.c_str(), g.grantee.c_str(), g.holder_pid, g.state.c_str(),
+                static_cast<unsigned long long>(g.idle_ms));
+  std::printf("%zu grant%s, lease %d ms\n", grants.size(), grants.size() == 1 ? "" : "s", pool->lease_ms());
+}
+
 void run_unlink(const PoolArgs& a) {
   ShmRegion::validate_name(a.name);
   if (!ShmRegion::unlink(a.name)) fail(ErrorCode::io, "pool '{}' does not exist", a.name);
@@ -81,12 +104,22 @@ void register_pool(CLI::App& app) {
   serve->add_option("--block-tokens", s->config.block_tokens, "Tokens per KV block (a power of two)");
   serve->add_option("--reap-ms", s->config.reap_interval_ms, "How often dead processes are reclaimed")
       ->check(CLI::Range(1, 3600000));
+  serve->add_option("--lease", s->config.lease_ms,
+                    "ms after which a holder that stopped using an opened context gives it up to the tiers first")
+      ->check(CLI::Range(1, 86400000))
+      ->capture_default_str();
   serve->callback([s] { run_serve(*s); });
 
   auto st = std::make_shared<PoolArgs>();
   CLI::App* stat = cmd->add_subcommand("stat", "Print a pool's counters as JSON");
   stat->add_option("--name", st->name, "Pool name")->required();
   stat->callback([st] { run_stat(*st); });
+
+  auto ls = std::make_shared<PoolArgs>();
+  CLI::App* lsc = cmd->add_subcommand("ls", "List a pool's grants: context, grantee, holder pid, state, idle ms");
+  lsc->add_option("--name", ls->name, "Pool name")->required();
+  lsc->add_flag("--json", ls->json, "JSON instead of a table");
+  lsc->callback([ls] { run_ls(*ls); });
 
   auto un = std::make_shared<PoolArgs>();
   CLI::App* unlink = cmd->add_subcommand("unlink", "Remove a pool left behind by a `pool serve` that was killed");

@@ -34,6 +34,7 @@ struct RunArgs {
   std::string json;
   std::string kv_budget, spill_dir, key, demote;
   bool no_prefetch = false;
+  int lease_ms = 30000;
 };
 
 void print_outputs(const RunReport& r) {
@@ -84,6 +85,7 @@ void execute(const Workflow& wf, const RunArgs& a) {
   opts.splice.threshold = a.guard_threshold;
   opts.concurrent = !a.sequential;
   opts.token_budget = a.token_budget;
+  opts.lease_ms = a.lease_ms;
   if (!a.quiet) opts.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   if (!a.kv_budget.empty()) {
     opts.tiers.budget_bytes = parse_bytes(a.kv_budget, "--kv-budget");
@@ -156,6 +158,10 @@ void add_common(CLI::App& cmd, RunArgs& a) {
                  "With --kv-budget: recode contexts at rest to this KV format (e.g. int4) before spilling any "
                  "(lossy; each demotion's K/V change is reported)");
   cmd.add_flag("--no-prefetch", a.no_prefetch, "Restore spilled contexts only when their consumer starts");
+  cmd.add_option("--lease", a.lease_ms,
+                 "qkvshare mode: ms after which a holder that stopped using a context gives it up to the tiers first")
+      ->check(CLI::Range(1, 86400000))
+      ->capture_default_str();
 }
 
 }  // namespace

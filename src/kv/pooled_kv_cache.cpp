@@ -700,6 +700,7 @@ void PooledKvCache::commit(int n) {
   segments_.back() = KvSegment{0, step_->view, 0, size_ - base_};
   step_.reset();
   free_windowed_layers();
+  if (commit_hook_) commit_hook_->committed();
 }
 
 }  // namespace qkvshare

@@ -58,7 +58,7 @@ HandoffResult open_session(SharePool& pool, Engine& engine, const ModelFingerpri
   if (!want_kv && options.mode == HandoffMode::kv)
     fail(ErrorCode::bad_descriptor, "context {} cannot be continued on its KV: {}{}{}", d.context_id, to_string(why),
          detail.empty() ? "" : ": ", detail);
-  OpenedContext opened = pool.open(d, agent, want_kv, capacity, options.verify);
+  OpenedContext opened = pool.open(d, agent, want_kv, capacity, options.verify, options.use);
   if (opened.cache) {
     opened.cache->set_rope(engine.rope());  // an evicted or spliced context reads its segments moved
     result.session = std::make_unique<Session>(std::move(opened.cache), std::move(opened.tokens));

@@ -274,6 +274,8 @@ Descriptor SharePool::grant(const SealedContext& sealed, std::string_view produc
   std::memset(g.grantee, 0, sizeof g.grantee);
   std::memcpy(g.grantee, grantee.data(), grantee.size());
   g.holder_slot = reg.slot();
+  g.opened = 0;
+  g.touched_ns.store(monotonic_ns(), std::memory_order_relaxed);
   g.state = kGrantLive;
   ++rec.grants;
   Descriptor d = descriptor_of(hd, rec, sealed.slot, g, gi);
@@ -321,7 +323,8 @@ void SharePool::revoke(const SealedContext& sealed) {
   revoke_locked(reg, sealed.slot);
 }
 
-OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool want_kv, int capacity, bool verify) {
+OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool want_kv, int capacity, bool verify,
+                              GrantUse use) {
   impl_->maybe_reap();
   OpenedContext out;
   std::shared_ptr<KvPool> pool;
@@ -348,7 +351,12 @@ OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool 
   {
     RegistryLock lock(reg);
     impl_->admit_locked(d, agent, false);
-    reg.grant(d.grant_slot).holder_slot = kNone;  // delivered: out of the issuer's custody
+    if (use == GrantUse::hold) {  // delivered: in the opener's custody now
+      GrantSlot& g = reg.grant(d.grant_slot);
+      g.holder_slot = reg.slot();
+      g.opened = 1;
+      g.touched_ns.store(monotonic_ns(), std::memory_order_relaxed);
+    }
     const ContextRecord& rec = reg.record(d.record_slot);
     const TokenId* ids = reg.tokens(d.record_slot);
     out.tokens.assign(ids, ids + rec.token_count);
@@ -400,7 +408,10 @@ OpenedContext SharePool::open(const Descriptor& d, std::string_view agent, bool 
     out.cache.reset();
     refuse(FallbackReason::checksum, "the blocks do not match the checksum taken when they were sealed");
   }
-  if (out.cache) reg.bump(kOpensKv);
+  if (out.cache) {
+    reg.bump(kOpensKv);
+    if (use == GrantUse::hold) out.cache->set_commit_hook(impl_->lease_renewal(d));
+  }
   return out;
 }
 

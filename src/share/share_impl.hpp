@@ -57,6 +57,8 @@ class Registry final : public RefLedger {
   void reap_slot_locked(std::uint32_t i, bool crashed);
   void release_custody_locked(std::uint32_t i) noexcept;
   int reap_locked();
+  // Whether slot i's process is attached and running (a /proc probe).
+  bool alive(std::uint32_t i) const;
   // Brings records left mid-change by a holder that died back to a state.
   void repair_locked();
   void bump(CounterIndex c, std::uint64_t n = 1) noexcept;
@@ -110,6 +112,8 @@ struct SharePool::Impl {
 
   share_detail::ShareHeader& h() const noexcept { return reg->header(); }
   void maybe_reap();
+  // What an opened cache calls at commit to renew `d`'s lease (share_lease.cpp).
+  std::shared_ptr<CommitHook> lease_renewal(const Descriptor& d) const;
   // Finds the record and grant a descriptor names, checking everything the
   // pool knows, for the grantee (or, with `as_producer`, the producer).
   // Under the mutex. Throws Error(bad_descriptor).

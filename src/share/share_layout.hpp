@@ -23,8 +23,9 @@
 namespace qkvshare::share_detail {
 
 inline constexpr char kShareMagic[8] = {'Q', 'K', 'V', 'S', 'H', 'A', 'R', 'E'};
-inline constexpr std::uint32_t kShareVersion = 4;  // 2: grants record their holder process; 3: segment tables;
-                                                   // 4: block checksums kept in the KV pool, not here
+inline constexpr std::uint32_t kShareVersion = 5;  // 2: grants record their holder process; 3: segment tables;
+                                                   // 4: block checksums kept in the KV pool, not here;
+                                                   // 5: grants record their opener and last use (leases)
 inline constexpr std::size_t kShareHeaderBytes = 4096;
 inline constexpr std::uint32_t kNone = 0xffffffffu;
 inline constexpr std::size_t kSecretBytes = 32;
@@ -32,7 +33,7 @@ inline constexpr std::size_t kTextBytesPerToken = 8;
 
 enum CounterIndex : std::size_t {
   kSeals, kGrants, kOpensKv, kOpensText, kFallbackModel, kFallbackFormat, kFallbackChecksum, kFallbackShape,
-  kTextRequested, kReleases, kRevokes, kRejected, kProcessesReaped, kReferencesReaped, kCounterCount
+  kTextRequested, kReleases, kRevokes, kRejected, kProcessesReaped, kReferencesReaped, kGrantsReaped, kCounterCount
 };
 
 struct ShareHeader {
@@ -41,7 +42,7 @@ struct ShareHeader {
   std::uint64_t region_bytes;
   std::uint64_t pool_id;
   std::uint8_t secret[kSecretBytes];
-  std::uint32_t max_processes, max_contexts, max_grants, max_tokens, block_tokens, reap_interval_ms;
+  std::uint32_t max_processes, max_contexts, max_grants, max_tokens, block_tokens, reap_interval_ms, lease_ms;
   std::uint64_t processes_offset, records_offset, grants_offset, data_offset, data_stride, dynamic_offset;
   // Written once, under the mutex, by the first model (kv_state 0 -> 1).
   std::atomic<std::uint32_t> kv_state;
@@ -93,17 +94,19 @@ static_assert(sizeof(ContextRecord) == 192);
 
 enum GrantState : std::uint32_t { kGrantFree = 0, kGrantLive = 1 };
 
-// A grant is in the custody of the process that issued it until some process
-// opens it or the issuer exits cleanly; then it belongs to whoever carries
-// the descriptor (kNone). A crash of the holder voids it: nobody else may
-// ever have seen it.
+// A grant is in the custody of the process that issued it until a process
+// opens it to hold it (GrantUse::hold): then it is the opener's. A clean exit
+// of the holder hands it to whoever carries the descriptor (kNone); a crash
+// voids it: an issuer's grant may never have been seen by anyone, and an
+// opener's would otherwise wait for an orchestrator that may never come.
 struct GrantSlot {
   std::uint32_t generation;
   std::uint32_t state;
   std::uint32_t record_slot, record_generation;
   char grantee[32];
   std::uint32_t holder_slot;
-  std::uint8_t pad[12];
+  std::uint32_t opened;                   // 1 once opened to hold: holder_slot is its opener
+  std::atomic<std::uint64_t> touched_ns;  // the holder's last use (monotonic): its lease runs from here
 };
 static_assert(sizeof(GrantSlot) == 64);
 

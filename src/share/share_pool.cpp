@@ -20,11 +20,11 @@ namespace {
 void check_config(const ShareConfig& c) {
   const auto in = [](int v, int lo, int hi) { return v >= lo && v <= hi; };
   if (!in(c.max_processes, 1, 4096) || !in(c.max_contexts, 1, 65536) || !in(c.max_grants, 1, 1 << 20) ||
-      !in(c.max_tokens, 1, 1 << 24) || !in(c.reap_interval_ms, 1, 3600000))
+      !in(c.max_tokens, 1, 1 << 24) || !in(c.reap_interval_ms, 1, 3600000) || !in(c.lease_ms, 1, 86400000))
     fail(ErrorCode::invalid_argument,
          "share pool limits out of range: {} processes [1, 4096], {} contexts [1, 65536], {} grants [1, 2^20], "
-         "{} tokens per context [1, 2^24], reap interval {} ms",
-         c.max_processes, c.max_contexts, c.max_grants, c.max_tokens, c.reap_interval_ms);
+         "{} tokens per context [1, 2^24], reap interval {} ms [1, 3600000], lease {} ms [1, 86400000]",
+         c.max_processes, c.max_contexts, c.max_grants, c.max_tokens, c.reap_interval_ms, c.lease_ms);
   if (c.block_tokens <= 0 || c.block_tokens > 4096 || (c.block_tokens & (c.block_tokens - 1)) != 0)
     fail(ErrorCode::invalid_argument, "share pool: block size {} is not a power of two in [1, 4096]", c.block_tokens);
 }
@@ -67,6 +67,7 @@ void format_region(ShmRegion& region, const ShareConfig& c, const Layout& l) {
   h->max_tokens = static_cast<std::uint32_t>(c.max_tokens);
   h->block_tokens = static_cast<std::uint32_t>(c.block_tokens);
   h->reap_interval_ms = static_cast<std::uint32_t>(c.reap_interval_ms);
+  h->lease_ms = static_cast<std::uint32_t>(c.lease_ms);
   h->processes_offset = l.processes;
   h->records_offset = l.records;
   h->grants_offset = l.grants;
@@ -96,6 +97,7 @@ Layout validate_region(const ShmRegion& region) {
   c.max_tokens = static_cast<int>(std::min<std::uint32_t>(h.max_tokens, 1u << 30));
   c.block_tokens = static_cast<int>(std::min<std::uint32_t>(h.block_tokens, 1u << 30));
   c.reap_interval_ms = static_cast<int>(std::min<std::uint32_t>(h.reap_interval_ms, 1u << 30));
+  c.lease_ms = static_cast<int>(std::min<std::uint32_t>(h.lease_ms, 1u << 30));
   check_config(c);
   const Layout l = layout_of(c);
   if (h.processes_offset != l.processes || h.records_offset != l.records || h.grants_offset != l.grants ||
@@ -319,11 +321,16 @@ ShareStats SharePool::stats() {
     for (std::uint32_t i = 0; i < h.max_contexts; ++i) s.contexts += reg.record(i).state == kRecSealed;
     for (std::uint32_t i = 0; i < h.max_grants; ++i) s.grants += reg.grant(i).state == kGrantLive;
   }
+  s.lease_ms = static_cast<int>(h.lease_ms);
+  for (const GrantInfo& g : grants()) {
+    s.grants_held += g.state == "held";
+    s.grants_idle += g.state == "idle";
+  }
   const auto c = [&](CounterIndex i) { return h.counters[i].load(std::memory_order_relaxed); };
   s.counters = ShareCounters{c(kSeals),          c(kGrants),           c(kOpensKv),          c(kOpensText),
                              c(kFallbackModel),  c(kFallbackFormat),   c(kFallbackChecksum), c(kFallbackShape),
                              c(kTextRequested),  c(kReleases),         c(kRevokes),          c(kRejected),
-                             c(kProcessesReaped), c(kReferencesReaped)};
+                             c(kProcessesReaped), c(kReferencesReaped), c(kGrantsReaped)};
   return s;
 }
 
@@ -334,7 +341,9 @@ std::string ShareStats::json() const {
   j["region_bytes"] = region_bytes;
   j["limits"] = {{"processes", max_processes}, {"contexts", max_contexts}, {"grants", max_grants},
                  {"tokens_per_context", max_tokens}, {"block_tokens", block_tokens}};
-  j["live"] = {{"processes", processes}, {"contexts", contexts}, {"grants", grants}};
+  j["live"] = {{"processes", processes}, {"contexts", contexts}, {"grants", grants},
+               {"grants_held", grants_held}, {"grants_idle", grants_idle}};
+  j["lease_ms"] = lease_ms;
   if (kv_formatted) {
     j["kv"] = {{"shape", {{"layers", shape.n_layers}, {"heads", shape.n_heads}, {"kv_heads", shape.n_kv_heads},
                           {"head_dim", shape.head_dim}}},
@@ -350,7 +359,7 @@ std::string ShareStats::json() const {
                    {"fallback_checksum", c.fallback_checksum}, {"fallback_shape", c.fallback_shape},
                    {"text_requested", c.text_requested}, {"releases", c.releases}, {"revokes", c.revokes},
                    {"rejected", c.rejected}, {"processes_reaped", c.processes_reaped},
-                   {"references_reaped", c.references_reaped}};
+                   {"references_reaped", c.references_reaped}, {"grants_reaped", c.grants_reaped}};
   return j.dump(2);
 }
 

@@ -232,6 +232,7 @@ void Registry::reap_slot_locked(std::uint32_t i, bool crashed) {
       if (g.state != kGrantLive || g.holder_slot != i) continue;
       g.state = kGrantFree;
       ++g.generation;
+      bump(kGrantsReaped);
       ContextRecord& rec = record(g.record_slot);
       if (rec.state != kRecSealed || rec.generation != g.record_generation) continue;
       --rec.grants;
@@ -262,6 +263,12 @@ void Registry::reap_slot_locked(std::uint32_t i, bool crashed) {
   process(i).state.store(kProcFree, std::memory_order_release);
   bump(kProcessesReaped);
   bump(kReferencesReaped, refs);
+}
+
+bool Registry::alive(std::uint32_t i) const {
+  const ProcessSlot& p = process(i);
+  if (p.state.load(std::memory_order_acquire) != kProcLive) return false;
+  return i == slot_ || probe(p) != Liveness::dead;
 }
 
 int Registry::reap_locked() {

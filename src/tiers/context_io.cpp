@@ -156,7 +156,7 @@ std::unique_ptr<PooledKvCache> import_context(const ContextReader& reader, std::
 std::uint64_t export_descriptor(SharePool& pool, const Descriptor& d, std::string_view agent, const ByteSink& sink,
                                 const BlockCipher* cipher) {
   pool.kv_pool_if_any();  // binds this process to the pool's KV arena, whatever its shape
-  OpenedContext opened = pool.open(d, agent, true, static_cast<int>(d.token_count));
+  OpenedContext opened = pool.open(d, agent, true, static_cast<int>(d.token_count), false, GrantUse::copy);
   if (!opened.cache)
     fail(ErrorCode::bad_descriptor, "export: the KV of context {} cannot be used here ({}: {})", d.context_id,
          to_string(opened.refused), opened.refused_detail);

@@ -27,6 +27,21 @@ namespace {
 bool ready(const std::future<void>& f) {
   return f.valid() && f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
 }
+
+enum class TierHold { none, idle, active };
+
+// Per context id: active when some live holder used one of its grants within
+// the lease, idle when it has holders and all are idle, none when no live
+// process holds a grant of it (at rest).
+std::map<std::uint64_t, TierHold> holds_by_context(SharePool& pool) {
+  std::map<std::uint64_t, TierHold> out;
+  for (const GrantInfo& g : pool.grants()) {
+    TierHold& h = out[g.context_id];
+    if (g.state == "held") h = TierHold::active;
+    else if (g.state == "idle" && h == TierHold::none) h = TierHold::idle;
+  }
+  return out;
+}
 }  // namespace
 
 ContextTiers::ContextTiers(SharePool& pool, TierOptions options)
@@ -203,7 +218,7 @@ bool ContextTiers::demote_locked(Entry& e) {
   std::optional<SealedContext> sealed;
   try {
     {
-      OpenedContext opened = pool_.open(d, grantee, true, static_cast<int>(d.token_count));
+      OpenedContext opened = pool_.open(d, grantee, true, static_cast<int>(d.token_count), false, GrantUse::copy);
       if (!opened.cache)
         fail(ErrorCode::bad_descriptor, "its KV cannot be used here ({}: {})", to_string(opened.refused),
              opened.refused_detail);
@@ -244,6 +259,11 @@ void ContextTiers::step_finished(int position) {
   std::size_t bytes = pool_bytes();
   while (bytes > options_.budget_bytes) {
     Entry* victim = nullptr;
+    const std::map<std::uint64_t, TierHold> holds = holds_by_context(pool_);
+    const auto hold_of = [&](const Entry& x) {
+      const auto it = holds.find(x.grants.begin()->second.context_id);
+      return it == holds.end() ? TierHold::none : it->second;
+    };
     for (auto& [name, ep] : entries_) {
       Entry& e = *ep;
       if (ready(e.restoring)) {  // a finished prefetch is resident like any other context
@@ -259,14 +279,18 @@ void ContextTiers::step_finished(int position) {
       }
       if (!e.resident || e.restoring.valid() || e.grants.empty()) continue;
       if (!demotable(e) && e.spill_failed) continue;
-      // Demotion first (it keeps the context in RAM), then spilling; the
-      // furthest next use first within each, the least recently used among equals.
+      if (hold_of(e) == TierHold::active) continue;  // a holder is working on it
+      // Idle-held contexts first (their holder has stopped using them), then
+      // demotion (it keeps the context in RAM), then spilling; the furthest
+      // next use first within each, the least recently used among equals.
       const auto key = [&](const Entry& x) {
-        return std::make_tuple(demotable(x), next_use(x) - now, -static_cast<long long>(x.last_use));
+        return std::make_tuple(hold_of(x) == TierHold::idle, demotable(x), next_use(x) - now,
+                               -static_cast<long long>(x.last_use));
       };
       if (victim == nullptr || key(e) > key(*victim)) victim = &e;
     }
     if (victim == nullptr) break;
+    if (hold_of(*victim) == TierHold::idle) ++stats_.idle_victims;
     if (demotable(*victim))
       demote_locked(*victim);
     else

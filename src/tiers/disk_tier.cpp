@@ -31,7 +31,7 @@ SpillResult DiskTier::spill(SharePool& pool, const Descriptor& d, std::string_vi
   r.path = path_of(name);
   r.tokens = static_cast<int>(d.token_count);
   pool.kv_pool_if_any();
-  OpenedContext opened = pool.open(d, agent, true, static_cast<int>(d.token_count));
+  OpenedContext opened = pool.open(d, agent, true, static_cast<int>(d.token_count), false, GrantUse::copy);
   if (!opened.cache)
     fail(ErrorCode::bad_descriptor, "spill: the KV of context {} cannot be used here ({}: {})", d.context_id,
          to_string(opened.refused), opened.refused_detail);

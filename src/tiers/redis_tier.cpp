@@ -95,7 +95,7 @@ PushResult RedisTier::push(SharePool& pool, const Descriptor& d, std::string_vie
   const auto t0 = std::chrono::steady_clock::now();
   if (name.empty() || name.size() > 200) fail(ErrorCode::invalid_argument, "redis: context name must be 1..200 bytes");
   pool.kv_pool_if_any();
-  OpenedContext opened = pool.open(d, agent, true, static_cast<int>(d.token_count));
+  OpenedContext opened = pool.open(d, agent, true, static_cast<int>(d.token_count), false, GrantUse::copy);
   if (!opened.cache)
     fail(ErrorCode::bad_descriptor, "push: the KV of context {} cannot be used here ({})", d.context_id,
          opened.refused_detail);

@@ -58,6 +58,12 @@ printf '{"format":"other"}' > "$tmp/bad.ref"
 expect_error "bad.ref" context pull "$tmp/bad.ref" --pool none --agent A --grant B -o "$tmp/x.desc"
 expect_error "missing.ref" context pull "$tmp/missing.ref" --pool none --agent A --grant B -o "$tmp/x.desc"
 expect_error "is not HOST:PORT" context push "$tmp/x.desc" --pool none --agent A --name n -o "$tmp/r.ref" --redis nohost
+# Leases (pool serve, run) and the grant listing.
+expect_error "--lease" pool serve --name qkvshare-cli-lease-test --lease 0
+expect_error "--lease" pool serve --name qkvshare-cli-lease-test --lease soon
+expect_error "--lease" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --lease 0
+expect_error "pool 'qkvshare-no-such-pool' does not exist" pool ls --name qkvshare-no-such-pool
+expect_error "pool name" pool ls --name "bad/name"
 printf '0%.0s' $(seq 64) > "$tmp/k.key"
 expect_error "cannot create key file" context keygen -o "$tmp/k.key"
 expect_error "--ids" logits -m "$S" -t "$T" --ids 1,x,3

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "qkvshare/core/error.hpp"
@@ -131,12 +132,13 @@ TEST(ShareProcess, KilledProducerIsReclaimedAndOtherContextsStayIntact) {
     auto p = SharePool::attach(name.name);
     Engine e(*model, EngineOptions{1});
     // Holds: its own sessions, a sealed context (producer's claim), and B's
-    // context opened (references on B's blocks).
+    // context opened as a copy reader (references on B's blocks, not the
+    // grant's custody: a holding open and its crash are the next test's).
     std::unique_ptr<Session> s1, s2;
     write_descriptor_file(dir + "/a.desc", produce(*p, e, fp, "int4", s1));
     const SealedContext claim = seal_session(*p, e, fp, *s1, "A");
     (void)claim;
-    HandoffResult opened = open_session(*p, e, fp, own, "B");
+    HandoffResult opened = open_session(*p, e, fp, own, "B", {HandoffMode::automatic, false, 0, GrantUse::copy});
     e.forward(*opened.session, std::vector<TokenId>{5, 6, 7});
     s2 = new_pooled_session(*p, e, KvFormat::parse("f16"), 512);
     e.forward(*s2, std::vector<TokenId>(40, 9));

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <tuple>
 #include <filesystem>
+#include <thread>
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/tiers/context_tiers.hpp"
@@ -226,6 +227,78 @@ TEST_F(Tiers, FailedDemotionLeavesTheContextAsItWasAndSaysWhy) {
   const auto got = open_and_continue(d, "c1");
   EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
   tiers.consumed("p1", "c1");
+}
+
+// The state `pool` lists for the grant `d`, or "" when it is gone.
+std::string tier_grant_state(SharePool& pool, const Descriptor& d) {
+  for (const GrantInfo& g : pool.grants())
+    if (g.slot == d.grant_slot && g.generation == d.grant_generation) return g.state;
+  return "";
+}
+
+TEST_F(Tiers, ContextHeldByAnIdleHolderIsTheFirstVictimWhateverItsNextUse) {
+  ShareConfig config = testing::small_config();
+  config.lease_ms = 50;
+  pool_ = SharePool::create_anonymous(config);
+  pool_->kv_pool(engine_->kv_shape());
+  const std::map<std::string, int> position{{"c1", 2}, {"c2", 5}};
+  std::map<std::string, Descriptor> g1, g2;
+  produce("p1", "c1", 200, g1);
+  produce("p2", "c2", 200, g2);
+  const std::size_t both = pool_->stats().kv.bytes_used;
+  // c1's holder opened its context, then stopped using it without releasing the grant.
+  {
+    HandoffResult h = open_session(*pool_, *engine_, fp_, g1.at("c1"), "c1", {HandoffMode::kv});
+    ASSERT_TRUE(h.kv);
+  }
+  for (int i = 0; i < 2000 && tier_grant_state(*pool_, g1.at("c1")) != "idle"; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_EQ(tier_grant_state(*pool_, g1.at("c1")), "idle");
+  TierOptions o;
+  o.budget_bytes = both * 6 / 10;  // room for one of the two
+  o.spill_dir = testing::temp_dir() + "/tiers";
+  o.prefetch = false;
+  ContextTiers tiers(*pool_, o);
+  tiers.add("p1", g1, position);
+  tiers.add("p2", g2, position);
+  tiers.step_finished(1);  // by next use p2 would go; p1's holder is idle, so p1 goes
+  const TierStats st = tiers.stats();
+  EXPECT_EQ(st.idle_victims, 1);
+  EXPECT_EQ(st.evictions, 1);
+  EXPECT_FALSE(pool_->check(g1.at("c1")).live);
+  EXPECT_TRUE(pool_->check(g2.at("c2")).live);
+  EXPECT_LE(pool_->stats().kv.bytes_used, o.budget_bytes);
+  tiers.consumed("p1", "c1");
+  tiers.consumed("p2", "c2");
+  pool_->release(g2.at("c2"), "c2");
+}
+
+TEST_F(Tiers, ContextAHolderIsUsingIsNeverAVictim) {
+  const std::map<std::string, int> position{{"c1", 9}, {"c2", 2}};
+  std::map<std::string, Descriptor> g1, g2;
+  produce("p1", "c1", 200, g1);
+  produce("p2", "c2", 200, g2);
+  // c1 holds its context (opened within the pool's 30 s lease), though its next use is the furthest.
+  HandoffResult h = open_session(*pool_, *engine_, fp_, g1.at("c1"), "c1", {HandoffMode::kv});
+  ASSERT_TRUE(h.kv);
+  ASSERT_EQ(tier_grant_state(*pool_, g1.at("c1")), "held");
+  TierOptions o;
+  o.budget_bytes = 1;  // nothing fits at rest
+  o.spill_dir = testing::temp_dir() + "/tiers";
+  o.prefetch = false;
+  ContextTiers tiers(*pool_, o);
+  tiers.add("p1", g1, position);
+  tiers.add("p2", g2, position);
+  tiers.step_finished(1);
+  const TierStats st = tiers.stats();
+  EXPECT_EQ(st.idle_victims, 0);
+  EXPECT_EQ(st.evictions, 1);  // p2 only
+  EXPECT_TRUE(pool_->check(g1.at("c1")).live);
+  EXPECT_FALSE(pool_->check(g2.at("c2")).live);
+  h.session.reset();
+  pool_->release(g1.at("c1"), "c1");
+  tiers.consumed("p1", "c1");
+  tiers.consumed("p2", "c2");
 }
 
 }  // namespace

@@ -56,6 +56,9 @@ struct RunOptions {
   // qkvshare mode: a pool byte budget for contexts at rest, with disk spill
   // and prefetch (tiers/context_tiers.hpp); budget_bytes 0 turns it off.
   TierOptions tiers;
+  // qkvshare mode: the pool's lease (ShareConfig::lease_ms): a holder idle
+  // this long gives its context up to the tiers first.
+  int lease_ms = 30000;
 };
 
 struct StepMetrics {

@@ -96,6 +96,14 @@ bool free_windowed_layers_enabled() noexcept;
 void set_background_quantization(bool on) noexcept;
 bool background_quantization() noexcept;
 
+// Told after each commit(): how a context opened from a shared pool renews
+// its holder's lease (share/share_pool.hpp) without the kv layer knowing of it.
+class CommitHook {
+ public:
+  virtual ~CommitHook() = default;
+  virtual void committed() noexcept = 0;
+};
+
 class PooledKvCache final : public KvCache {
  public:
   // Throws Error(invalid_argument) when the format does not fit the pool's shape.
@@ -113,6 +121,8 @@ class PooledKvCache final : public KvCache {
   // context's consumer sets it from the descriptor (SharePool::open).
   int position_gap() const noexcept { return position_gap_; }
   void set_position_gap(int gap) noexcept { position_gap_ = gap; }
+  // Not inherited by fork() or recoded(): those are contexts of their own.
+  void set_commit_hook(std::shared_ptr<CommitHook> hook) noexcept { commit_hook_ = std::move(hook); }
   void write(int layer, int n, const float* k, const float* v) override;
   AttendWork& plan_attend(int layer, int n, const float* q, float* out, int window = 0) override;
   void commit(int n) override;
@@ -255,6 +265,7 @@ class PooledKvCache final : public KvCache {
   std::vector<KvSegment> segments_;
   int base_ = 0;  // tokens before the last (writable) segment
   int position_gap_ = 0;
+  std::shared_ptr<CommitHook> commit_hook_;
   int window_scan_ = 0;  // free_windowed_layers(): the window's start (in blocks) at its last scan
   KvRope rope_;
   // keys=pre: the RoPE rows of every position up to the largest one read

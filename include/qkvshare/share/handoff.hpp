@@ -22,6 +22,7 @@ struct HandoffOptions {
   HandoffMode mode = HandoffMode::automatic;
   bool verify = false;  // rehash every block before using the KV
   int capacity = 0;     // tokens the session may hold (0: the model's context length)
+  GrantUse use = GrantUse::hold;  // copy: read the context without taking the grant's custody
 };
 
 struct HandoffResult {

@@ -34,6 +34,28 @@ struct ShareConfig {
   int max_processes = 32;   // processes attached at once
   int max_tokens = 16384;   // tokens of one sealed context
   int reap_interval_ms = 100;
+  // A holder that has not used an opened context for this long is idle: the
+  // tiers may demote or spill its context before any other (docs/tiers.md).
+  int lease_ms = 30000;
+};
+
+// How open() uses a grant. `hold`: the opener takes custody (a crash of the
+// opener voids the grant, docs/handoff.md "Grant custody") and renews its
+// lease while its session commits tokens. `copy`: a reader that copies the
+// context (spill, export, push, demote) leaves custody and lease as they are,
+// so it may open a grant any number of times.
+enum class GrantUse { hold, copy };
+
+// One live grant, as `pool ls` lists it.
+struct GrantInfo {
+  std::uint32_t slot = 0, generation = 0;
+  std::uint64_t context_id = 0;
+  std::string producer, grantee;
+  // issued: not opened yet; held: its opener is alive and used it within the
+  // lease; idle: its opener is alive and did not; delivered: its opener exited.
+  std::string state;
+  int holder_pid = 0;          // 0: nobody has custody
+  std::uint64_t idle_ms = 0;   // since the holder last used it (or since it was issued)
 };
 
 // The producer's claim on a context it sealed; give it back with release().
@@ -50,6 +72,7 @@ struct ShareCounters {
   std::uint64_t text_requested = 0;
   std::uint64_t releases = 0, revokes = 0, rejected = 0;
   std::uint64_t processes_reaped = 0, references_reaped = 0;
+  std::uint64_t grants_reaped = 0;  // grants voided because their holder crashed
 };
 
 enum class FallbackReason { none, model, format, checksum, shape, requested };
@@ -65,6 +88,8 @@ struct ShareStats {
   PoolCounters kv;
   int max_processes = 0, max_contexts = 0, max_grants = 0, max_tokens = 0;
   int processes = 0, contexts = 0, grants = 0;
+  int grants_held = 0, grants_idle = 0;  // opened grants whose holder is active / idle past the lease
+  int lease_ms = 0;
   ShareCounters counters;
   std::string json() const;
 };
@@ -125,7 +150,15 @@ class SharePool {
   // also attaches its blocks as a cache of `capacity` tokens (no KV byte is
   // copied) unless the stored block checksum, the pool shape or `verify`
   // (a full rehash of the blocks) says no. Error(bad_descriptor) otherwise.
-  OpenedContext open(const Descriptor& d, std::string_view agent, bool want_kv, int capacity, bool verify = false);
+  // With GrantUse::hold the opened cache renews the grant's lease as it
+  // commits tokens (rate limited: at most a few stores per lease).
+  OpenedContext open(const Descriptor& d, std::string_view agent, bool want_kv, int capacity, bool verify = false,
+                     GrantUse use = GrantUse::hold);
+  // Renews the lease of `d`'s grant (a holder working on it without committing).
+  void touch(const Descriptor& d) noexcept;
+  // Every live grant, with its holder and lease state.
+  std::vector<GrantInfo> grants();
+  int lease_ms() const noexcept;
   // The grantee is done: its grant ends (the descriptor goes stale).
   void release(const Descriptor& d, std::string_view agent);
   // The producer ends the context and every grant of it.

@@ -15,7 +15,9 @@
 //
 // The hook into the orchestrator is narrow: add() after sealing, acquire()
 // and consumed() around opening, step_started() / step_finished() around a
-// step. The budget applies at rest (between steps): the running step's own
+// step. A context whose grants are held by live processes all idle past
+// the pool's lease (SharePool::grants) is a victim before any other; one a
+// holder used within the lease is never one. The budget applies at rest (between steps): the running step's own
 // context must be in RAM, and a prefetch may add the next step's input on top.
 #include <condition_variable>
 #include <future>
@@ -57,6 +59,7 @@ struct TierStats {
   int evictions = 0;           // contexts dropped from RAM (spills + clean re-evictions)
   int restores_on_demand = 0;  // restored when the consumer started (on its critical path)
   int prefetches = 0;          // restored in the background before the consumer started
+  int idle_victims = 0;        // victims held by a live process idle past the pool's lease (taken first)
   std::uint64_t bytes_written = 0, bytes_read = 0;
   double restore_wait_seconds = 0;  // consumers' time spent waiting for a restore or prefetch
   std::size_t peak_at_rest_bytes = 0;  // pool bytes after enforcing, at the worst step boundary
