@@ -10,7 +10,6 @@
 #include "qkvshare/agents/demo_workflow.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/kv_format.hpp"
-#include "qkvshare/tiers/crypto.hpp"
 
 namespace qkvshare::cli {
 
@@ -92,14 +91,9 @@ void execute(const Workflow& wf, const RunArgs& a) {
     opts.tiers.spill_dir = a.spill_dir.empty()
                                ? (std::filesystem::temp_directory_path() / ("qkvshare-spill." + std::to_string(::getpid()))).string()
                                : a.spill_dir;
-    if (!a.key.empty()) opts.tiers.cipher = std::make_shared<KeyCipher>(KeyCipher::from_file(a.key));
+    opts.tiers.cipher = load_key_flag(a.key);
     opts.tiers.prefetch = !a.no_prefetch;
-    if (!a.demote.empty()) {
-      const KvFormat to = KvFormat::parse(a.demote);
-      if (to.mixed() || to.evicts())
-        fail(ErrorCode::invalid_argument, "--demote {}: give a format of one precision (no lo=, no budget=)", a.demote);
-      opts.tiers.demote = to;
-    }
+    opts.tiers.demote = parse_demote_flag(a.demote);
   } else if (!a.spill_dir.empty() || !a.key.empty() || a.no_prefetch || !a.demote.empty()) {
     fail(ErrorCode::invalid_argument, "--spill-dir, --key, --demote and --no-prefetch need --kv-budget");
   }

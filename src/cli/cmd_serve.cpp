@@ -19,6 +19,7 @@ struct ServeArgs {
   ModelArgs model;
   server::ServerOptions o;
   int pool_mib = 512, cache_mib = 0, max_body_kib = 8192;
+  std::string demote, key;
   bool no_auto_reuse = false, quiet = false, no_think = false;
 };
 
@@ -30,6 +31,10 @@ void run_serve(ServeArgs& a) {
   o.auto_reuse = !a.no_auto_reuse;
   o.log_requests = !a.quiet;
   o.thinking = !a.no_think;
+  if (!a.key.empty() && o.spill_dir.empty())
+    fail(ErrorCode::invalid_argument, "--key {}: it encrypts spill files; give --spill-dir too", a.key);
+  o.demote = parse_demote_flag(a.demote);
+  o.cipher = load_key_flag(a.key);
   if (o.model_id.empty()) o.model_id = std::filesystem::path(a.model.model_path).stem().string();
   // Block the stop signals before any thread starts, so only the waiter below sees them.
   sigset_t stop;
@@ -81,6 +86,11 @@ void register_serve(CLI::App& app) {
       ->check(CLI::Range(8, 65536));
   cmd->add_option("--cache-mib", args->cache_mib, "KV MiB kept for cached contexts before LRU eviction (0: 3/4 of the pool)")
       ->check(CLI::Range(0, 1 << 20));
+  cmd->add_option("--spill-dir", args->o.spill_dir,
+                  "Spill evicted cached contexts to files here (created) and restore them when reused, instead of dropping them");
+  cmd->add_option("--demote", args->demote,
+                  "Recode an evicted cached context to this KV format (one precision, e.g. int4) before spilling or dropping it");
+  cmd->add_option("--key", args->key, "Key file: encrypt spilled blocks (XChaCha20-Poly1305); needs --spill-dir");
   cmd->add_option("--parallel", args->o.parallel, "Requests decoding at once")->check(CLI::Range(1, 256));
   cmd->add_option("--queue", args->o.queue, "Requests waiting beyond --parallel before 429")->check(CLI::Range(0, 65536));
   cmd->add_option("--ctx", args->o.ctx, "Context size in tokens per request (0: the model's)")->check(CLI::Range(0, 1 << 22));

@@ -12,6 +12,7 @@
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 #include "qkvshare/kv/shared_block_reads.hpp"
 #include "qkvshare/share/fingerprint.hpp"
+#include "qkvshare/tiers/crypto.hpp"
 
 namespace qkvshare::cli {
 
@@ -118,6 +119,28 @@ std::string read_text(const std::string& path) {
   std::ostringstream s;
   s << in.rdbuf();
   return s.str();
+}
+
+std::optional<KvFormat> parse_demote_flag(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  KvFormat to;
+  try {
+    to = KvFormat::parse(text);
+  } catch (const Error& e) {
+    fail(ErrorCode::invalid_argument, "--demote {}: {}", text, e.what());
+  }
+  if (to.mixed() || to.evicts())
+    fail(ErrorCode::invalid_argument, "--demote {}: give a format of one precision (no lo=, no budget=)", text);
+  return to;
+}
+
+std::shared_ptr<const BlockCipher> load_key_flag(const std::string& path) {
+  if (path.empty()) return nullptr;
+  try {
+    return std::make_shared<KeyCipher>(KeyCipher::from_file(path));
+  } catch (const Error& e) {
+    fail(ErrorCode::invalid_argument, "--key {}: {}", path, e.what());
+  }
 }
 
 }  // namespace qkvshare::cli

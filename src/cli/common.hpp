@@ -3,11 +3,13 @@
 #include <CLI/CLI.hpp>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "qkvshare/engine/engine.hpp"
 #include "qkvshare/model/model.hpp"
+#include "qkvshare/tiers/context_file.hpp"
 
 namespace qkvshare::cli {
 
@@ -41,6 +43,12 @@ std::size_t parse_bytes(const std::string& text, std::string_view flag);
 std::vector<TokenId> parse_ids(const std::string& text);
 // The prompt's ids: BOS when the model wants it, then the text (special tokens parsed when `special`).
 std::vector<TokenId> encode_prompt(const Tokenizer& tok, const std::string& text, bool special);
+
+// The tiers' flags, shared by `run` and `serve`: --demote FMT (one
+// precision: a demoted context is recoded once, not mixed) and --key FILE.
+// Error(invalid_argument) naming the flag and the value.
+std::optional<KvFormat> parse_demote_flag(const std::string& text);
+std::shared_ptr<const BlockCipher> load_key_flag(const std::string& path);
 
 void register_generate(CLI::App& app);
 void register_inspect(CLI::App& app);

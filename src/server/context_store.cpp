@@ -43,6 +43,7 @@ ContextStore::ContextStore(std::shared_ptr<SharePool> pool, Engine& engine, Stor
     : pool_(std::move(pool)), engine_(engine), options_(options), fingerprint_(model_fingerprint(engine.model())),
       index_(pool_->kv_pool(engine.kv_shape())->block_tokens()) {
   if (options_.budget_bytes == 0) options_.budget_bytes = pool_->kv_pool(engine.kv_shape())->counters().arena_bytes / 4 * 3;
+  if (!options_.spill_dir.empty()) disk_ = std::make_unique<DiskTier>(options_.spill_dir, options_.cipher);
 }
 
 ContextStore::~ContextStore() { release_all(); }
@@ -94,7 +95,8 @@ SealedInfo ContextStore::add_locked(const std::string& owner, const PooledKvCach
   }
   SealedInfo info{sealed.context_id, name_of(sealed.context_id), handle_of(e.own), sealed.tokens, format.to_string(), {}};
   for (const auto& [agent, d] : e.grants) info.grants.emplace_back(agent, handle_of(d));
-  if (index && options_.auto_reuse) index_.insert(sealed.context_id, partition(owner, format), e.tokens);
+  e.indexed = index && options_.auto_reuse;
+  if (e.indexed) index_.insert(sealed.context_id, partition(owner, format), e.tokens);
   entries_.emplace(sealed.context_id, std::move(e));
   return info;
 }
@@ -117,7 +119,8 @@ std::uint64_t ContextStore::resolve(const std::string& tenant, const std::string
     if (ec != std::errc() || p != end || ref.size() != 20)
       bad_request(param, fmt::format("'{}': '{}' is not a context id (ctx- and 16 hex digits)", param, ref));
     std::lock_guard lock(mu_);
-    return visible(tenant, id).sealed.context_id;
+    visible(tenant, id);
+    return id;
   }
   const std::vector<std::uint8_t> bytes = decode_handle(ref, param);
   Descriptor d;
@@ -132,7 +135,12 @@ std::uint64_t ContextStore::resolve(const std::string& tenant, const std::string
   if (!st.pool_matches || !st.capability_valid || !st.live)
     not_found(param, fmt::format("'{}': the handle is not valid here: {}", param, st.problem));
   std::lock_guard lock(mu_);
-  if (entries_.count(d.context_id)) return visible(tenant, d.context_id).sealed.context_id;
+  // A context restored from disk keeps its store id but has a new pool id.
+  for (const auto& [id, e] : entries_)
+    if (!e.on_disk && e.sealed.context_id == d.context_id) {
+      visible(tenant, id);
+      return id;
+    }
   // Made by another process on this pool (e.g. `qkvshare generate --publish
   // --grant TENANT`): take it over as this tenant's context, on its blocks.
   OpenedContext oc = pool_->open(d, tenant, /*want_kv=*/true, engine_.model().config().context_length);
@@ -176,6 +184,7 @@ std::vector<ReuseIndex::Span> ContextStore::find_spans(const std::string& tenant
 std::unique_ptr<Session> ContextStore::open_prefix(std::uint64_t id, const std::string& tenant, int tokens, int capacity) {
   std::lock_guard lock(mu_);
   Entry& e = visible(tenant, id);
+  ensure_resident_locked(id, e);
   OpenedContext oc = pool_->open(e.own, e.owner, /*want_kv=*/true, capacity);
   if (!oc.cache)
     fail(ErrorCode::bad_descriptor, "context {}: its KV cannot be used: {}", name_of(id), oc.refused_detail);
@@ -229,13 +238,14 @@ void ContextStore::release(const std::string& tenant, std::uint64_t id) {
     drop_locked(id);
     return;
   }
-  pool_->release(e.grants.at(tenant), tenant);
+  if (!e.on_disk) pool_->release(e.grants.at(tenant), tenant);
   e.grants.erase(tenant);
 }
 
 SealedInfo ContextStore::fork(const std::string& tenant, std::uint64_t id, const std::vector<std::string>& grant_to) {
   std::lock_guard lock(mu_);
   Entry& e = visible(tenant, id);
+  ensure_resident_locked(id, e);
   OpenedContext oc = pool_->open(e.own, e.owner, /*want_kv=*/true, engine_.model().config().context_length);
   if (!oc.cache) fail(ErrorCode::bad_descriptor, "context {}: its KV cannot be used: {}", name_of(id), oc.refused_detail);
   oc.cache->set_rope(engine_.rope());
@@ -250,7 +260,7 @@ nlohmann::json ContextStore::describe(const std::string& tenant, std::uint64_t i
   nlohmann::json grants = nlohmann::json::array();
   for (const auto& [agent, d] : e.grants) grants.push_back(agent);
   const Descriptor& d = e.owner == tenant ? e.own : e.grants.at(tenant);
-  return {{"id", name_of(id)},
+  nlohmann::json out = {{"id", name_of(id)},
           {"object", "qkvshare.context"},
           {"owner", e.owner},
           {"tokens", e.tokens.size()},
@@ -259,8 +269,13 @@ nlohmann::json ContextStore::describe(const std::string& tenant, std::uint64_t i
           {"kv_bytes", e.bytes},
           {"created", e.created_ms / 1000},
           {"granted_to", grants},
-          {"handle", handle_of(d)},
-          {"descriptor", nlohmann::json::parse(d.json())}};
+          {"tier", e.on_disk ? "disk" : "ram"}};
+  // A spilled context's descriptors were revoked; it gets new ones when it is restored.
+  out["handle"] = e.on_disk ? nlohmann::json(nullptr) : nlohmann::json(handle_of(d));
+  out["descriptor"] = e.on_disk ? nlohmann::json(nullptr) : nlohmann::json::parse(d.json());
+  if (e.demoted_from)
+    out["demoted"] = {{"from", e.demoted_from->to_string()}, {"k_rel_rms", e.k_rel_rms}, {"v_rel_rms", e.v_rel_rms}};
+  return out;
 }
 
 nlohmann::json ContextStore::list(const std::string& tenant) {
@@ -273,6 +288,7 @@ nlohmann::json ContextStore::list(const std::string& tenant) {
                     {"owner", e.owner},
                     {"tokens", e.tokens.size()},
                     {"format", e.format.to_string()},
+                    {"tier", e.on_disk ? "disk" : "ram"},
                     {"created", e.created_ms / 1000}});
   }
   return {{"object", "list"}, {"data", data}};
@@ -282,20 +298,28 @@ void ContextStore::drop_locked(std::uint64_t id) {
   const auto it = entries_.find(id);
   if (it == entries_.end()) return;
   index_.erase(id);
-  try {
-    pool_->revoke(it->second.sealed);
-  } catch (const Error&) {
-    // Already gone from the pool (revoked by its producer elsewhere): nothing to give back.
+  if (!it->second.on_disk) {
+    try {
+      pool_->revoke(it->second.sealed);
+    } catch (const Error&) {
+      // Already gone from the pool (revoked by its producer elsewhere): nothing to give back.
+    }
   }
+  forget_file_locked(id, it->second);
   entries_.erase(it);
 }
 
 bool ContextStore::evict_one_locked() {
-  if (entries_.empty()) return false;
-  auto victim = entries_.begin();
+  // Spilled contexts hold no pool memory: only those in RAM can give some back.
+  auto victim = entries_.end();
   for (auto it = entries_.begin(); it != entries_.end(); ++it)
-    if (it->second.last_used < victim->second.last_used) victim = it;
-  drop_locked(victim->first);
+    if (!it->second.on_disk && (victim == entries_.end() || it->second.last_used < victim->second.last_used)) victim = it;
+  if (victim == entries_.end()) return false;
+  const std::uint64_t id = victim->first;
+  Entry& e = victim->second;
+  // Demotion keeps the context in RAM at fewer bits; it is tried once per context.
+  if (options_.demote && !e.demote_tried && demote_locked(id, e)) return true;
+  if (!disk_ || !spill_locked(id, e)) drop_locked(id);
   ++evictions_;
   return true;
 }
@@ -319,6 +343,7 @@ std::map<std::string, ContextStore::FormatStats> ContextStore::stats() {
   std::map<std::string, std::set<std::uint32_t>> distinct;
   std::map<std::string, double> block_bytes;  // one block of the format (all its blocks are alike)
   for (const auto& [id, e] : entries_) {
+    if (e.on_disk) continue;  // its bytes are on disk (tier_stats)
     const std::string f = e.format.to_string();
     FormatStats& s = out[f];
     ++s.contexts;

@@ -98,6 +98,13 @@ void register_metrics(Metrics& m) {
   m.gauge("qkvshare_cached_blocks", "blocks referenced by the cached contexts, by KV format (shared blocks counted per context)");
   m.gauge("qkvshare_cached_bytes", "KV bytes of the cached contexts, by KV format (shared blocks counted per context)");
   m.gauge("qkvshare_cache_budget_bytes", "KV bytes the cached contexts may use before LRU eviction");
+  m.counter("qkvshare_tier_spills_total", "cached contexts spilled to disk (--spill-dir) instead of dropped");
+  m.counter("qkvshare_tier_restores_total", "spilled contexts restored from disk for a request");
+  m.counter("qkvshare_tier_demotions_total", "cached contexts recoded to the --demote format");
+  m.counter("qkvshare_tier_spilled_bytes_total", "bytes written to spill files");
+  m.counter("qkvshare_tier_failures_total", "spills (the context was dropped) and restores (a file that did not verify) that failed");
+  m.gauge("qkvshare_tier_disk_contexts", "cached contexts whose spill file exists");
+  m.gauge("qkvshare_tier_disk_bytes", "bytes of the spill files that exist");
   m.histogram("qkvshare_ttft_seconds", "time from request to first token",
               {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30});
   m.histogram("qkvshare_token_latency_seconds", "time between consecutive tokens of one choice",
@@ -481,6 +488,15 @@ struct Server::Impl {
     metrics.set("qkvshare_handoff_opens_total", "path=\"text\",reason=\"checksum\"", static_cast<double>(s.counters.fallback_checksum));
     metrics.set("qkvshare_handoff_opens_total", "path=\"text\",reason=\"shape\"", static_cast<double>(s.counters.fallback_shape));
     metrics.set("qkvshare_cache_budget_bytes", "", static_cast<double>(store->budget_bytes()));
+    const StoreTierStats t = store->tier_stats();
+    metrics.set("qkvshare_tier_spills_total", "", static_cast<double>(t.spills));
+    metrics.set("qkvshare_tier_restores_total", "", static_cast<double>(t.restores));
+    metrics.set("qkvshare_tier_demotions_total", "", static_cast<double>(t.demotions));
+    metrics.set("qkvshare_tier_spilled_bytes_total", "", static_cast<double>(t.bytes_spilled));
+    metrics.set("qkvshare_tier_failures_total", "op=\"spill\"", static_cast<double>(t.spill_failures));
+    metrics.set("qkvshare_tier_failures_total", "op=\"restore\"", static_cast<double>(t.restore_failures));
+    metrics.set("qkvshare_tier_disk_contexts", "", static_cast<double>(t.contexts_on_disk));
+    metrics.set("qkvshare_tier_disk_bytes", "", static_cast<double>(t.bytes_on_disk));
     metrics.set("qkvshare_queue_depth", "", scheduler->queue_depth());
     metrics.set("qkvshare_sessions_active", "", scheduler->active());
     // Replaced as a whole, so that a format no context uses any more disappears.
@@ -593,7 +609,17 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
   m.tmpl = engine.model().chat_template(o.chat_template, o.thinking);
   for (std::string_view piece : m.tmpl->stop_pieces())
     if (const auto id = tok.find(piece)) m.turn_ends.push_back(*id);
-  m.store = std::make_unique<ContextStore>(m.pool, engine, StoreOptions{o.cache_bytes, o.auto_reuse});
+  if (o.demote) {
+    try {
+      o.demote->validate(engine.kv_shape(), m.pool->kv_pool(engine.kv_shape())->block_tokens());
+      refuse_eviction(*o.demote);
+    } catch (const Error& e) {
+      fail(ErrorCode::invalid_argument, "--demote: {}", e.what());
+    }
+  }
+  if (o.cipher && o.spill_dir.empty()) fail(ErrorCode::invalid_argument, "--key encrypts spill files: it needs --spill-dir");
+  m.store = std::make_unique<ContextStore>(
+      m.pool, engine, StoreOptions{o.cache_bytes, o.auto_reuse, o.spill_dir, o.cipher, o.demote});
   register_metrics(m.metrics);
   m.scheduler = make_batched_scheduler(engine, *m.store, m.metrics, SchedulerOptions{o.parallel, o.queue, 256, m.capacity});
   const int threads = o.http_threads > 0 ? o.http_threads : o.parallel + o.queue + 8;

@@ -41,6 +41,11 @@ expect_error "top-p" generate -m "$S" -t "$T" -p hi --top-p 2
 expect_error "temperature" generate -m "$S" -t "$T" -p hi --temp -1
 expect_error "chat template 'vicuna' is not one of chatml" generate -m "$S" -t "$T" -p hi --chat-template vicuna
 expect_error "chat template 'vicuna' is not one of chatml" serve -m "$S" -t "$T" --port 0 --chat-template vicuna
+expect_error "--demote int9" serve -m "$S" -t "$T" --port 0 --spill-dir "$tmp/spill" --demote int9
+expect_error "give a format of one precision" serve -m "$S" -t "$T" --port 0 --demote int8:lo=int2:top=0.5
+expect_error "give --spill-dir too" serve -m "$S" -t "$T" --port 0 --key "$tmp/no-such.key"
+expect_error "--key $tmp/no-such.key" serve -m "$S" -t "$T" --port 0 --spill-dir "$tmp/spill" --key "$tmp/no-such.key"
+expect_error "cannot create the spill folder" serve -m "$S" -t "$T" --port 0 --spill-dir "$tmp/short.gguf/spill"
 expect_error "not a weight type make-model writes" make-model --shape tiny-llama --type Q8_K -o "$tmp/x.gguf"
 expect_error "context length" generate -m "$S" -t "$T" -p "Once upon a time there was a girl" --ctx 4
 # Portable context files and key files (tiers).

@@ -5,7 +5,11 @@
 // tenant, so another process on the same pool can open it too). Contexts are
 // evicted least recently used first when the pool's KV bytes pass the budget
 // or the registry runs out of records; a handle to an evicted context is
-// answered 404. Thread-safe: HTTP handlers and the scheduler share it.
+// answered 404. With tiers (StoreOptions::spill_dir / demote, docs/tiers.md)
+// an evicted context is first recoded to fewer bits, then spilled to a file,
+// and restored from it (every block verified) when a request reuses it; its
+// ctx- id stays valid, the handles given out before the spill do not.
+// Thread-safe: HTTP handlers and the scheduler share it.
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -19,12 +23,27 @@
 #include "qkvshare/engine/engine.hpp"
 #include "qkvshare/server/reuse_index.hpp"
 #include "qkvshare/share/share_pool.hpp"
+#include "qkvshare/tiers/disk_tier.hpp"
 
 namespace qkvshare::server {
 
 struct StoreOptions {
   std::size_t budget_bytes = 0;  // KV bytes of the pool kept for cached contexts (0: 3/4 of the arena)
   bool auto_reuse = true;
+  // Tiers: where evicted contexts are spilled (empty: dropped, as without
+  // tiers), the key that seals their blocks, and the format a context is
+  // recoded to before it is spilled (lossy; the change is measured).
+  std::string spill_dir;
+  std::shared_ptr<const BlockCipher> cipher;
+  std::optional<KvFormat> demote;
+};
+
+// What the tiers did, for /metrics.
+struct StoreTierStats {
+  std::uint64_t spills = 0, restores = 0, demotions = 0, spill_failures = 0, restore_failures = 0;
+  std::uint64_t bytes_spilled = 0;   // written to spill files, in all
+  std::uint64_t bytes_on_disk = 0;   // in the spill files that exist now
+  std::uint64_t contexts_on_disk = 0;
 };
 
 struct SealedInfo {
@@ -91,6 +110,7 @@ class ContextStore {
   };
   std::map<std::string, FormatStats> stats();
   std::uint64_t evictions() const noexcept { return evictions_; }
+  StoreTierStats tier_stats();
   std::size_t budget_bytes() const noexcept { return options_.budget_bytes; }
   void release_all();
 
@@ -107,6 +127,13 @@ class ContextStore {
     std::vector<std::uint32_t> block_index;  // pool blocks it holds (shared with its forks)
     std::int64_t created_ms = 0;
     std::uint64_t last_used = 0;
+    bool indexed = false;
+    bool on_disk = false;     // spilled: `sealed` and every descriptor are revoked, the file holds it
+    bool file_kept = false;   // the spill file still matches the context (after a restore): no rewrite
+    std::uint64_t file_bytes = 0;
+    bool demote_tried = false;
+    std::optional<KvFormat> demoted_from;  // with the measured relative RMS change of K and V
+    double k_rel_rms = 0, v_rel_rms = 0;
   };
   std::string partition(const std::string& tenant, const KvFormat& format) const;
   Entry& visible(const std::string& tenant, std::uint64_t id);  // 404 unless visible
@@ -114,6 +141,12 @@ class ContextStore {
                         const KvFormat& format, const std::vector<std::string>& grant_to, bool index);
   void drop_locked(std::uint64_t id);
   bool evict_one_locked();
+  // store_tiers.cpp
+  bool demote_locked(std::uint64_t id, Entry& e);
+  bool spill_locked(std::uint64_t id, Entry& e);
+  void ensure_resident_locked(std::uint64_t id, Entry& e);
+  void forget_file_locked(std::uint64_t id, Entry& e) noexcept;
+  void regrant_locked(Entry& e, const SealedContext& sealed);
   std::unique_ptr<Session> cut_segments(const PooledKvCache& cache, const Entry& e, int tokens, int capacity);
 
   std::shared_ptr<SharePool> pool_;
@@ -124,6 +157,8 @@ class ContextStore {
   std::map<std::uint64_t, Entry> entries_;
   ReuseIndex index_;
   std::uint64_t clock_ = 0, evictions_ = 0;
+  std::unique_ptr<DiskTier> disk_;
+  StoreTierStats tier_stats_;
 };
 
 }  // namespace qkvshare::server

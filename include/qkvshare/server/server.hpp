@@ -5,6 +5,7 @@
 // and their behaviour are documented in docs/server.md.
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "qkvshare/engine/engine.hpp"
@@ -14,6 +15,10 @@
 
 namespace httplib {
 class Server;
+}
+
+namespace qkvshare {
+class BlockCipher;
 }
 
 namespace qkvshare::server {
@@ -36,6 +41,12 @@ struct ServerOptions {
   bool log_requests = true;               // one JSON line per request on stderr
   std::string chat_template;              // a family name (model/chat_template.hpp); empty: the model's own
   bool thinking = true;                   // Qwen3: false answers without a reasoning block
+  // Tiers (docs/tiers.md, "The server"): evicted contexts are recoded to
+  // `demote` once, then spilled to files in `spill_dir` (sealed with
+  // `cipher`) and restored when reused; without them they are dropped.
+  std::string spill_dir;
+  std::optional<KvFormat> demote;
+  std::shared_ptr<const BlockCipher> cipher;
 };
 
 class Server {
