@@ -43,10 +43,16 @@ ContextStore::ContextStore(std::shared_ptr<SharePool> pool, Engine& engine, Stor
     : pool_(std::move(pool)), engine_(engine), options_(options), fingerprint_(model_fingerprint(engine.model())),
       index_(pool_->kv_pool(engine.kv_shape())->block_tokens()) {
   if (options_.budget_bytes == 0) options_.budget_bytes = pool_->kv_pool(engine.kv_shape())->counters().arena_bytes / 4 * 3;
-  if (!options_.spill_dir.empty()) disk_ = std::make_unique<DiskTier>(options_.spill_dir, options_.cipher);
+  if (!options_.spill_dir.empty()) {
+    disk_ = std::make_unique<DiskTier>(options_.spill_dir, options_.cipher);
+    claim_spill_dir();
+  }
 }
 
-ContextStore::~ContextStore() { release_all(); }
+ContextStore::~ContextStore() {
+  release_all();
+  release_spill_dir();
+}
 
 void ContextStore::release_all() {
   std::lock_guard lock(mu_);

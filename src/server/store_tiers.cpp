@@ -1,7 +1,14 @@
 // The context store's tiers (docs/tiers.md, "The server"): what eviction does
 // to a cached context when the server has --demote / --spill-dir, and how a
 // spilled one comes back. The policy is LRU (the server has no DAG).
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/server/api.hpp"
@@ -18,6 +25,38 @@ void log_tier_event(const nlohmann::json& event) {
 }
 
 }  // namespace
+
+void ContextStore::claim_spill_dir() {
+  // The files are named by this store's ids, which start again at every
+  // start: a folder two servers share would mix their contexts, and the files
+  // a killed server left are nobody's. So a server holds the folder's lock
+  // while it runs and clears those files when it gets it.
+  const std::string lock_path = disk_->dir() + "/.qkvshare-serve.lock";
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) fail(ErrorCode::io, "--spill-dir {}: cannot open {}: {}", disk_->dir(), lock_path, std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    if (err == EWOULDBLOCK)
+      fail(ErrorCode::invalid_argument, "--spill-dir {}: another qkvshare serve is using this folder; give each server its own",
+           disk_->dir());
+    fail(ErrorCode::io, "--spill-dir {}: cannot lock {}: {}", disk_->dir(), lock_path, std::strerror(err));
+  }
+  spill_lock_fd_ = fd;
+  std::size_t stale = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(disk_->dir(), ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("ctx-") && name.ends_with(".qkvctx") && std::filesystem::remove(entry.path(), ec)) ++stale;
+  }
+  if (stale > 0) log_tier_event({{"event", "stale_spill_files_removed"}, {"dir", disk_->dir()}, {"files", stale}});
+}
+
+void ContextStore::release_spill_dir() noexcept {
+  if (spill_lock_fd_ < 0) return;
+  ::close(spill_lock_fd_);  // closing drops the flock
+  spill_lock_fd_ = -1;
+}
 
 void ContextStore::regrant_locked(Entry& e, const SealedContext& sealed) {
   // The owner's grant and every tenant's grant again, on the new sealed context.

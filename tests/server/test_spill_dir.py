@@ -7,13 +7,14 @@ START = "Once upon a time, there was a little girl named Lily."
 
 def test_spilled_context_is_restored_and_continues_exactly(make_server, tmp_path):
     spill = tmp_path / "spill"
-    # f32 KV (about 1.3 KB a token on stories260K): a few long replies pass the 1 MiB budget.
+    # f32 KV (about 1.3 KB a token on stories260K): eight replies of up to 150 tokens pass the
+    # 1 MiB budget, and a continuation of one still fits the 512-token context.
     s = make_server("--kv", "f32", "--cache-mib", "1", "--spill-dir", str(spill))
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
     firsts = []
-    for i in range(6):
+    for i in range(8):
         msg = [{"role": "user", "content": f"{START} Story {i}."}]
-        r = c.chat.completions.create(model="stories260K", messages=msg, max_tokens=400, temperature=0,
+        r = c.chat.completions.create(model="stories260K", messages=msg, max_tokens=150, temperature=0,
                                       extra_body={"qkvshare": {"reuse": False}})
         firsts.append((msg, r))
     m = s.wait_idle()

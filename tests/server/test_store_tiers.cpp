@@ -30,7 +30,7 @@ struct SrvTierWorld {
   std::shared_ptr<SharePool> pool;
 
   SrvTierWorld() {
-    model = Model::load(testing::shared_path("models/stories260K.bin"), testing::shared_path("models/tok512.bin"));
+    model = Model::load(qkvshare::testing::shared_path("models/stories260K.bin"), qkvshare::testing::shared_path("models/tok512.bin"));
     EngineOptions eo;
     eo.n_threads = 1;
     engine = std::make_unique<Engine>(*model, eo);
@@ -97,7 +97,7 @@ TEST(ServerStoreTiers, SpilledContextIsRestoredWithTheSameTokens) {
       }
       StoreOptions o;
       o.budget_bytes = 1;  // nothing stays in RAM at rest
-      o.spill_dir = testing::temp_dir() + "/spill";
+      o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
       if (encrypted) {
         std::array<std::uint8_t, KeyCipher::kKeyBytes> key{};
         key[3] = 7;
@@ -143,7 +143,7 @@ TEST(ServerStoreTiers, DemotesFirstThenSpillsTheDemotedContext) {
   SrvTierWorld w;
   StoreOptions o;
   o.budget_bytes = 1;
-  o.spill_dir = testing::temp_dir() + "/spill";
+  o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
   o.demote = KvFormat::parse("int4");
   ContextStore store(w.pool, *w.engine, o);
   const std::uint64_t id = srvtier_add(w, store, KvFormat::parse("int8"));
@@ -174,7 +174,7 @@ TEST(ServerStoreTiers, AFailingDiskDropsTheContextAndTheStoreKeepsServing) {
   SrvTierWorld w;
   StoreOptions o;
   o.budget_bytes = 1;
-  o.spill_dir = testing::temp_dir() + "/spill";
+  o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
   ContextStore store(w.pool, *w.engine, o);
   // The folder turns into a file: every write into it fails, even as root.
   fs::remove_all(o.spill_dir);
@@ -200,7 +200,7 @@ TEST(ServerStoreTiers, ATamperedSpillFileIsRefusedNotDecoded) {
   SrvTierWorld w;
   StoreOptions o;
   o.budget_bytes = 1;
-  o.spill_dir = testing::temp_dir() + "/spill";
+  o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
   ContextStore store(w.pool, *w.engine, o);
   const std::uint64_t id = srvtier_add(w, store, KvFormat::parse("int8"));
   EXPECT_EQ(store.evict_over_budget(), 1);
@@ -225,7 +225,7 @@ TEST(ServerStoreTiers, SpillFilesGoWithTheirContextAndTheStore) {
   SrvTierWorld w;
   StoreOptions o;
   o.budget_bytes = 1;
-  o.spill_dir = testing::temp_dir() + "/spill";
+  o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
   const KvFormat f = KvFormat::parse("int8");
   {
     ContextStore store(w.pool, *w.engine, o);
@@ -240,6 +240,31 @@ TEST(ServerStoreTiers, SpillFilesGoWithTheirContextAndTheStore) {
     EXPECT_FALSE(fs::exists(fa));
     EXPECT_EQ(store.tier_stats().contexts_on_disk, 1u);
   }
-  EXPECT_TRUE(fs::is_empty(o.spill_dir));
+  for (const auto& entry : fs::directory_iterator(o.spill_dir))  // only the folder's lock file stays
+    EXPECT_NE(entry.path().extension(), ".qkvctx") << entry.path();
   EXPECT_EQ(w.pool->stats().kv.bytes_used, 0u);
+}
+
+TEST(ServerStoreTiers, OneServerAFolderAndAKilledServersFilesAreCleared) {
+  SrvTierWorld w;
+  StoreOptions o;
+  o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
+  fs::create_directories(o.spill_dir);
+  // What a server killed with contexts on disk leaves behind; another file is not the store's.
+  const std::string stale = o.spill_dir + "/" + ContextStore::name_of(7) + ".qkvctx";
+  std::ofstream(stale) << "left by a killed server";
+  std::ofstream(o.spill_dir + "/notes.txt") << "someone else's";
+  {
+    ContextStore store(w.pool, *w.engine, o);
+    EXPECT_FALSE(fs::exists(stale));
+    EXPECT_TRUE(fs::exists(o.spill_dir + "/notes.txt"));
+    try {
+      ContextStore second(w.pool, *w.engine, o);
+      ADD_FAILURE() << "a second store took a folder in use";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("another qkvshare serve is using this folder"), std::string::npos) << e.what();
+    }
+  }
+  ContextStore after(w.pool, *w.engine, o);  // the folder is free again once its server stops
 }

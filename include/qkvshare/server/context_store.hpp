@@ -147,6 +147,8 @@ class ContextStore {
   void ensure_resident_locked(std::uint64_t id, Entry& e);
   void forget_file_locked(std::uint64_t id, Entry& e) noexcept;
   void regrant_locked(Entry& e, const SealedContext& sealed);
+  void claim_spill_dir();
+  void release_spill_dir() noexcept;
   std::unique_ptr<Session> cut_segments(const PooledKvCache& cache, const Entry& e, int tokens, int capacity);
 
   std::shared_ptr<SharePool> pool_;
@@ -158,6 +160,7 @@ class ContextStore {
   ReuseIndex index_;
   std::uint64_t clock_ = 0, evictions_ = 0;
   std::unique_ptr<DiskTier> disk_;
+  int spill_lock_fd_ = -1;  // flock on the spill folder: one server a folder
   StoreTierStats tier_stats_;
 };
 
