@@ -415,7 +415,7 @@ class BatchedScheduler final : public Scheduler {
   void complete(Running& r) {
     Job& job = *r.job;
     try {
-      for (Choice& c : r.choices) c.result.context = store_.add(job.tenant, *c.session, job.format, job.grant_to, true);
+      for (Choice& c : r.choices) c.result.context = store_.add(job.tenant, *c.session, job.grant_to, true);
     } catch (...) {
       r.error = std::current_exception();
       return;

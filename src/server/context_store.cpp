@@ -65,16 +65,16 @@ std::string ContextStore::partition(const std::string& tenant, const KvFormat& f
   return tenant + "\n" + format.to_string();
 }
 
-SealedInfo ContextStore::add(const std::string& owner, const Session& session, const KvFormat& format,
+SealedInfo ContextStore::add(const std::string& owner, const Session& session,
                              const std::vector<std::string>& grant_to, bool index) {
   const auto* cache = dynamic_cast<const PooledKvCache*>(&session.cache());
   QKV_CHECK(cache != nullptr);
   std::lock_guard lock(mu_);
-  return add_locked(owner, *cache, session.tokens(), format, grant_to, index);
+  return add_locked(owner, *cache, session.tokens(), grant_to, index);
 }
 
 SealedInfo ContextStore::add_locked(const std::string& owner, const PooledKvCache& cache, std::span<const TokenId> tokens,
-                                    const KvFormat& format, const std::vector<std::string>& grant_to, bool index) {
+                                    const std::vector<std::string>& grant_to, bool index) {
   const auto evict = [this] { return evict_one_locked(); };
   const std::string text = engine_.model().tokenizer().decode(tokens);
   const SealedContext sealed =
@@ -83,6 +83,9 @@ SealedInfo ContextStore::add_locked(const std::string& owner, const PooledKvCach
   e.owner = owner;
   e.sealed = sealed;
   e.tokens.assign(tokens.begin(), tokens.end());
+  // The cache's own format, not the request's: a context demoted while a
+  // request opened it is continued (and stored) in its new format.
+  const KvFormat format = cache.format();
   e.format = format;
   e.bytes = cache.kv_bytes();
   for (const KvSegment& s : cache.segments()) {
@@ -153,8 +156,7 @@ std::uint64_t ContextStore::resolve(const std::string& tenant, const std::string
   if (!oc.cache)
     not_found(param, fmt::format("'{}': context {} cannot be used on its KV here: {}", param, d.context_id, oc.refused_detail));
   oc.cache->set_rope(engine_.rope());
-  const KvFormat format = oc.cache->format();
-  const SealedInfo info = add_locked(tenant, *oc.cache, oc.tokens, format, {}, true);
+  const SealedInfo info = add_locked(tenant, *oc.cache, oc.tokens, {}, true);
   pool_->release(d, tenant);  // the grantee is done with the foreign descriptor
   return info.id;
 }
@@ -255,9 +257,8 @@ SealedInfo ContextStore::fork(const std::string& tenant, std::uint64_t id, const
   OpenedContext oc = pool_->open(e.own, e.owner, /*want_kv=*/true, engine_.model().config().context_length);
   if (!oc.cache) fail(ErrorCode::bad_descriptor, "context {}: its KV cannot be used: {}", name_of(id), oc.refused_detail);
   oc.cache->set_rope(engine_.rope());
-  const KvFormat format = e.format;
   const std::vector<TokenId> toks = e.tokens;
-  return add_locked(tenant, *oc.cache, toks, format, grant_to, true);
+  return add_locked(tenant, *oc.cache, toks, grant_to, true);
 }
 
 nlohmann::json ContextStore::describe(const std::string& tenant, std::uint64_t id) {

@@ -65,7 +65,7 @@ const std::vector<TokenId> kSrvTierNext = {268, 272, 302};
 std::uint64_t srvtier_add(SrvTierWorld& w, ContextStore& store, const KvFormat& f) {
   auto s = new_pooled_session(*w.pool, *w.engine, f, kSrvTierCapacity);
   srvtier_greedy(*w.engine, *s, kSrvTierPrompt, 40);
-  return store.add("default", *s, f, {}, true).id;
+  return store.add("default", *s, {}, true).id;
 }
 
 // What a request continuing context `id` with kSrvTierNext decodes.

@@ -65,9 +65,9 @@ class ContextStore {
   SharePool& pool() noexcept { return *pool_; }
   static std::string name_of(std::uint64_t id);
 
-  // Seals `session` for `owner`, grants it to `grant_to`, indexes it for reuse.
-  SealedInfo add(const std::string& owner, const Session& session, const KvFormat& format,
-                 const std::vector<std::string>& grant_to, bool index);
+  // Seals `session` for `owner`, grants it to `grant_to`, indexes it for
+  // reuse under the session's own KV format.
+  SealedInfo add(const std::string& owner, const Session& session, const std::vector<std::string>& grant_to, bool index);
 
   // A client's reference ("ctx-..." id or "qkv1." handle) to a context
   // `tenant` may open: its own, or granted to it. Throws ApiError 400 (not a
@@ -138,7 +138,7 @@ class ContextStore {
   std::string partition(const std::string& tenant, const KvFormat& format) const;
   Entry& visible(const std::string& tenant, std::uint64_t id);  // 404 unless visible
   SealedInfo add_locked(const std::string& owner, const PooledKvCache& cache, std::span<const TokenId> tokens,
-                        const KvFormat& format, const std::vector<std::string>& grant_to, bool index);
+                        const std::vector<std::string>& grant_to, bool index);
   void drop_locked(std::uint64_t id);
   bool evict_one_locked();
   // store_tiers.cpp
