@@ -81,7 +81,9 @@ bool ContextStore::demote_locked(std::uint64_t id, Entry& e) {
   std::vector<std::uint32_t> blocks_after;
   try {
     {
-      OpenedContext oc = pool_->open(e.own, e.owner, /*want_kv=*/true, static_cast<int>(e.tokens.size()));
+      // A copy: the store keeps custody and the lease as they were.
+      OpenedContext oc = pool_->open(e.own, e.owner, /*want_kv=*/true, static_cast<int>(e.tokens.size()),
+                                     /*verify=*/false, GrantUse::copy);
       if (!oc.cache) fail(ErrorCode::bad_descriptor, "its KV cannot be used here: {}", oc.refused_detail);
       const auto copy = oc.cache->recoded(to, &cost);
       bytes_after = copy->kv_bytes();
