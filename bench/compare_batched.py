@@ -51,18 +51,24 @@ def llama_batched(exe, model, depth, a):
     return {int(r["pl"]): float(r["speed_tg"]) for r in rows}, env + " ".join(map(str, cmd))
 
 
-def qkvshare_batched(qkv, model, depth, kv, a, tmp):
-    cmd = [qkv, "bench", "-m", model, "--threads", a.threads, "-r", 1, "-n", a.n_gen, "-d", max(depth, 1),
-           "--batch", ",".join(map(str, a.batches)), "--kv", kv, "--json", tmp]
-    if shared(depth, a):
+def qkvshare_batch_decode(qkv, model, threads, n_gen, depth, batches, kv, tmp, shared_prefix, extra=()):
+    """One `qkvshare bench --batch` run: {(kv, batch): aggregate decode tokens/s} and the command."""
+    cmd = [qkv, "bench", "-m", model, "--threads", threads, "-r", 1, "-n", n_gen, "-d", max(depth, 1),
+           "--batch", ",".join(map(str, batches)), "--kv", kv, "--json", tmp]
+    if shared_prefix:
         cmd.append("--shared-prefix")
-    cl.log("$ " + " ".join(map(str, cmd)))
-    subprocess.run([str(c) for c in cmd], check=True, stdout=subprocess.DEVNULL)
+    cmd = [str(c) for c in [*cmd, *extra]]
+    cl.log("$ " + " ".join(cmd))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     out = {}
     for t in json.loads(Path(tmp).read_text())["tests"]:
         if t.get("kind") == "batch_decode":
             out[(t["kv"], int(t["batch"]))] = t["aggregate_tokens_per_s"]["median"]
-    return out, " ".join(map(str, cmd))
+    return out, " ".join(cmd)
+
+
+def qkvshare_batched(qkv, model, depth, kv, a, tmp):
+    return qkvshare_batch_decode(qkv, model, a.threads, a.n_gen, depth, a.batches, kv, tmp, shared(depth, a))
 
 
 def med(v):

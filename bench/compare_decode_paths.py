@@ -13,41 +13,32 @@ medians over the repetitions, and the ratio new / earlier per cell. Writes
 bench/results/decode-paths-<which>-<time>.json and prints a Markdown table.
 """
 import argparse
+import collections
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_batched as cb  # noqa: E402  (one `qkvshare bench --batch` run)
 import compare_llamacpp as cl  # noqa: E402  (model paths, logging)
 
 ROOT = cl.ROOT
+DecodePath = collections.namedtuple("DecodePath", "label earlier_flag earlier_label depth shared_prefix")
 PATHS = {
-    # which: (label of the default path, flag of the earlier path, label of the earlier path, depth, shared prefix)
-    "reads": ("shared block reads", "--kv-private-reads", "private reads", 2048, True),
-    "quantize": ("background quantization", "--kv-quantize-in-pass", "quantized in the pass", 1, False),
+    "reads": DecodePath("shared block reads", "--kv-private-reads", "private reads", 2048, True),
+    "quantize": DecodePath("background quantization", "--kv-quantize-in-pass", "quantized in the pass", 1, False),
 }
 
 
-def run_once(a, kv, flag, tmp):
-    _, earlier_flag, _, _, shared = PATHS[a.which]
-    cmd = [a.qkvshare, "bench", "-m", a.model, "--threads", a.threads, "-r", 1, "-n", a.n_gen, "-d", a.depth,
-           "--batch", ",".join(map(str, a.batches)), "--kv", kv, "--json", tmp]
-    if shared:
-        cmd.append("--shared-prefix")
-    if flag:
-        cmd.append(earlier_flag)
-    cmd = [str(c) for c in cmd]
-    cl.log("$ " + " ".join(cmd))
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out = {}
-    for t in json.loads(Path(tmp).read_text())["tests"]:
-        if t.get("kind") == "batch_decode":
-            out[int(t["batch"])] = t["aggregate_tokens_per_s"]["median"]
-    return out, " ".join(cmd)
+def run_once(a, kv, earlier, tmp):
+    """The default path, or with `earlier` the earlier path's flag: {batch: aggregate decode tokens/s}."""
+    path = PATHS[a.which]
+    got, cmd = cb.qkvshare_batch_decode(a.qkvshare, a.model, a.threads, a.n_gen, a.depth, a.batches, kv, tmp,
+                                        path.shared_prefix, [path.earlier_flag] if earlier else [])
+    return {b: v for (_, b), v in got.items()}, cmd
 
 
 def main():
@@ -65,12 +56,12 @@ def main():
     if a.model is None:
         a.model = str(cl.REAL["smollm2-135m-instruct-Q4_1"])
     if a.depth is None:
-        a.depth = PATHS[a.which][3]
+        a.depth = PATHS[a.which].depth
     if a.reps < 1 or a.n_gen < 1 or a.depth < 1:
         p.error("--reps, --n-gen and --depth must be at least 1")
     a.batches = [int(b) for b in a.batch.split(",")]
     formats = a.kv.split(",")
-    label_new, _, label_old, _, _ = PATHS[a.which]
+    label_new, label_old = PATHS[a.which].label, PATHS[a.which].earlier_label
     samples = {(kv, mode): {b: [] for b in a.batches} for kv in formats for mode in ("new", "old")}
     commands = {}
     with tempfile.TemporaryDirectory() as tmp:
