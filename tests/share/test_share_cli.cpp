@@ -119,6 +119,30 @@ TEST_F(ShareCli, ProducerAndConsumerProcessesMatchOneProcess) {
   EXPECT_NE(again.out.find("\"live\": false"), std::string::npos) << again.out;
 }
 
+TEST_F(ShareCli, PoolLsListsGrantsWithTheirHolderAndLease) {
+  const CliRun a = publish(dir_ + "/a.desc");
+  ASSERT_EQ(a.status, 0) << a.err;
+  const CliRun ls = cli("pool ls --name " + name_ + " --json");
+  ASSERT_EQ(ls.status, 0) << ls.err;
+  const auto j = nlohmann::json::parse(ls.out);
+  EXPECT_EQ(j["lease_ms"], 30000);
+  ASSERT_EQ(j["grants"].size(), 1u) << ls.out;
+  EXPECT_EQ(j["grants"][0]["producer"], "A");
+  EXPECT_EQ(j["grants"][0]["grantee"], "B");
+  EXPECT_EQ(j["grants"][0]["state"], "issued");  // not opened; its issuer exited cleanly
+  EXPECT_EQ(j["grants"][0]["holder_pid"], 0);
+  const CliRun table = cli("pool ls --name " + name_);
+  ASSERT_EQ(table.status, 0) << table.err;
+  EXPECT_NE(table.out.find("issued"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("1 grant, lease 30000 ms"), std::string::npos) << table.out;
+  // B continues and releases its grant: nothing is listed any more.
+  const CliRun b = cli("generate" + kModel + " -p ' and a big dog' -n 4 --temp 0 --pool " + name_ + " --from " + dir_ +
+                       "/a.desc --agent B --handoff kv");
+  ASSERT_EQ(b.status, 0) << b.err;
+  const auto after = nlohmann::json::parse(cli("pool ls --name " + name_ + " --json").out);
+  EXPECT_TRUE(after["grants"].empty()) << after.dump();
+}
+
 TEST_F(ShareCli, InspectShowsTheDescriptorAndVerifiesIt) {
   const CliRun a = publish(dir_ + "/a.desc");
   ASSERT_EQ(a.status, 0) << a.err;

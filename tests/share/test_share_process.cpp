@@ -191,5 +191,135 @@ TEST(ShareProcess, KilledProducerIsReclaimedAndOtherContextsStayIntact) {
   EXPECT_EQ(kv->counters().blocks_free, free_start);
 }
 
+// The grant (if any) whose context is `d`'s, as pool ls lists it.
+std::optional<GrantInfo> grant_of(SharePool& pool, const Descriptor& d) {
+  for (const GrantInfo& g : pool.grants())
+    if (g.slot == d.grant_slot && g.generation == d.grant_generation) return g;
+  return std::nullopt;
+}
+
+TEST(ShareProcess, KilledHolderVoidsTheGrantItOpenedAndTheContextIsFreed) {
+  auto model = testing::load_stories();
+  const ModelFingerprint fp = model_fingerprint(*model);
+  PoolName name("holder");
+  auto pool = SharePool::create(name.name, testing::small_config());
+  Engine engine(*model, EngineOptions{1});
+  const auto kv = pool->kv_pool(engine.kv_shape());
+  const std::uint32_t free_start = kv->counters().blocks_free;
+  std::unique_ptr<Session> producer;
+  const Descriptor d = produce(*pool, engine, fp, "int8", producer);  // A's claim is released: the grant keeps it
+  producer.reset();
+  ASSERT_EQ(grant_of(*pool, d)->state, "issued");
+
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t b = spawn([&] {
+    auto p = SharePool::attach(name.name);
+    Engine e(*model, EngineOptions{1});
+    HandoffResult h = open_session(*p, e, fp, d, "B", {HandoffMode::kv});  // GrantUse::hold: B has custody
+    if (!h.kv) return 3;
+    e.forward(*h.session, std::vector<TokenId>{5, 6, 7});
+    const char c = 'r';
+    if (::write(ready[1], &c, 1) != 1) return 2;
+    for (;;) ::pause();  // killed here, without releasing the grant
+  });
+  wait_ready(ready[0]);
+  const std::optional<GrantInfo> held = grant_of(*pool, d);
+  ASSERT_TRUE(held.has_value());
+  EXPECT_EQ(held->state, "held");
+  EXPECT_EQ(held->holder_pid, b);
+  EXPECT_EQ(held->grantee, "B");
+  EXPECT_LT(kv->counters().blocks_free, free_start);
+  ASSERT_EQ(::kill(b, SIGKILL), 0);
+  int reaped = 0;
+  for (int i = 0; i < 1000 && reaped == 0; ++i) {
+    reaped = pool->reap();
+    if (reaped == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(reaped, 1);
+  EXPECT_EQ(wait_exit(b), 128 + SIGKILL);
+  // Nobody else could release the grant B held: the reaper voided it, and
+  // with it the context (no producer claim, no other grant) and its blocks.
+  const ShareStats st = pool->stats();
+  EXPECT_EQ(st.counters.grants_reaped, 1u);
+  EXPECT_EQ(st.grants, 0);
+  EXPECT_EQ(st.contexts, 0);
+  EXPECT_FALSE(grant_of(*pool, d).has_value());
+  EXPECT_EQ(kv->counters().blocks_free, free_start);
+  try {
+    pool->release(d, "B");
+    ADD_FAILURE() << "a grant whose holder crashed outlived it";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::bad_descriptor) << e.what();
+  }
+  ::close(ready[0]);
+  ::close(ready[1]);
+}
+
+TEST(ShareProcess, AHolderThatExitsCleanlyLeavesItsGrantDelivered) {
+  auto model = testing::load_stories();
+  const ModelFingerprint fp = model_fingerprint(*model);
+  PoolName name("deliver");
+  auto pool = SharePool::create(name.name, testing::small_config());
+  Engine engine(*model, EngineOptions{1});
+  const auto kv = pool->kv_pool(engine.kv_shape());
+  const std::uint32_t free_start = kv->counters().blocks_free;
+  std::unique_ptr<Session> producer;
+  const Descriptor d = produce(*pool, engine, fp, "int4", producer);
+  producer.reset();
+  const pid_t b = spawn([&] {
+    auto p = SharePool::attach(name.name);
+    Engine e(*model, EngineOptions{1});
+    HandoffResult h = open_session(*p, e, fp, d, "B", {HandoffMode::kv});
+    return h.kv ? 0 : 3;  // exits without releasing: the grant outlives the opener
+  });
+  EXPECT_EQ(wait_exit(b), 0);
+  pool->reap();
+  const std::optional<GrantInfo> left = grant_of(*pool, d);
+  ASSERT_TRUE(left.has_value());
+  EXPECT_EQ(left->state, "delivered");
+  EXPECT_EQ(left->holder_pid, 0);
+  EXPECT_EQ(pool->stats().counters.grants_reaped, 0u);
+  // The grantee (or a later process acting for it) still releases it.
+  pool->release(d, "B");
+  EXPECT_EQ(pool->stats().contexts, 0);
+  EXPECT_EQ(kv->counters().blocks_free, free_start);
+}
+
+TEST(ShareLease, AHolderIsIdleAfterTheLeaseAndCommitsOrTouchRenewIt) {
+  auto model = testing::load_stories();
+  const ModelFingerprint fp = model_fingerprint(*model);
+  PoolName name("lease");
+  ShareConfig config = testing::small_config();
+  config.lease_ms = 300;  // long enough that a loaded (or sanitized) run checks within it
+  auto pool = SharePool::create(name.name, config);
+  EXPECT_EQ(pool->lease_ms(), 300);
+  Engine engine(*model, EngineOptions{1});
+  std::unique_ptr<Session> producer;
+  const Descriptor d = produce(*pool, engine, fp, "int8", producer);
+  HandoffResult h = open_session(*pool, engine, fp, d, "B", {HandoffMode::kv});
+  ASSERT_TRUE(h.kv);
+  EXPECT_EQ(grant_of(*pool, d)->state, "held");
+  EXPECT_EQ(grant_of(*pool, d)->holder_pid, ::getpid());
+  EXPECT_EQ(pool->stats().grants_held, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  EXPECT_EQ(grant_of(*pool, d)->state, "idle");
+  EXPECT_GE(grant_of(*pool, d)->idle_ms, 350u);
+  EXPECT_EQ(pool->stats().grants_idle, 1);
+  // Decoding on the opened context renews the lease (its cache's commits).
+  engine.forward(*h.session, std::vector<TokenId>{5, 6, 7});
+  EXPECT_EQ(grant_of(*pool, d)->state, "held");
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  EXPECT_EQ(grant_of(*pool, d)->state, "idle");
+  pool->touch(d);  // a holder working on it without committing
+  EXPECT_EQ(grant_of(*pool, d)->state, "held");
+  // A copy reader takes neither custody nor the lease: the grant stays the issuer's.
+  const Descriptor d2 = pool->grant(seal_session(*pool, engine, fp, *producer, "A"), "A", "C");
+  HandoffResult copy = open_session(*pool, engine, fp, d2, "C", {HandoffMode::kv, false, 0, GrantUse::copy});
+  ASSERT_TRUE(copy.kv);
+  EXPECT_EQ(grant_of(*pool, d2)->state, "issued");
+  EXPECT_EQ(grant_of(*pool, d2)->holder_pid, ::getpid());
+}
+
 }  // namespace
 }  // namespace qkvshare
