@@ -110,14 +110,36 @@ void wait_ready(int fd) {
   ASSERT_EQ(::read(fd, &c, 1), 1);
 }
 
+// A named pool with stories260K, as every test here starts.
+struct ProcessWorld {
+  std::unique_ptr<Model> model = testing::load_stories();
+  ModelFingerprint fp = model_fingerprint(*model);
+  PoolName name;
+  std::shared_ptr<SharePool> pool;
+  Engine engine{*model, EngineOptions{1}};
+  std::shared_ptr<KvPool> kv;
+  std::uint32_t free_start = 0;
+
+  explicit ProcessWorld(const char* what, ShareConfig config = testing::small_config())
+      : name(what), pool(SharePool::create(name.name, config)), kv(pool->kv_pool(engine.kv_shape())),
+        free_start(kv->counters().blocks_free) {}
+};
+
+// Reaps `pid` after a SIGKILL: once the kernel has torn it down (a zombie
+// holds nothing), before it is waited for. Returns the processes reaped.
+int kill_and_reap(SharePool& pool, pid_t pid) {
+  EXPECT_EQ(::kill(pid, SIGKILL), 0);
+  int reaped = 0;
+  for (int i = 0; i < 1000 && reaped == 0; ++i) {
+    reaped = pool.reap();
+    if (reaped == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return reaped;
+}
+
 TEST(ShareProcess, KilledProducerIsReclaimedAndOtherContextsStayIntact) {
-  auto model = testing::load_stories();
-  const ModelFingerprint fp = model_fingerprint(*model);
-  PoolName name("crash");
-  auto pool = SharePool::create(name.name, testing::small_config());
-  Engine engine(*model, EngineOptions{1});
-  const auto kv = pool->kv_pool(engine.kv_shape());
-  const std::uint32_t free_start = kv->counters().blocks_free;
+  ProcessWorld w("crash");
+  auto& [model, fp, name, pool, engine, kv, free_start] = w;
 
   // B (this process) has its own context before A starts.
   std::unique_ptr<Session> mine;
@@ -148,15 +170,7 @@ TEST(ShareProcess, KilledProducerIsReclaimedAndOtherContextsStayIntact) {
   });
   wait_ready(ready[0]);
   EXPECT_LT(kv->counters().blocks_free, free_with_b);
-  ASSERT_EQ(::kill(a, SIGKILL), 0);
-  // Reaped even before the zombie is waited for (a zombie holds nothing),
-  // once the kernel has torn the process down.
-  int reaped = 0;
-  for (int i = 0; i < 1000 && reaped == 0; ++i) {
-    reaped = pool->reap();
-    if (reaped == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  EXPECT_EQ(reaped, 1);
+  EXPECT_EQ(kill_and_reap(*pool, a), 1);
   EXPECT_EQ(wait_exit(a), 128 + SIGKILL);
   // A's grant to B (from produce) was never opened, so it was still in A's
   // custody: A's crash voids it (the pool cannot tell whether it was passed
@@ -199,13 +213,8 @@ std::optional<GrantInfo> grant_of(SharePool& pool, const Descriptor& d) {
 }
 
 TEST(ShareProcess, KilledHolderVoidsTheGrantItOpenedAndTheContextIsFreed) {
-  auto model = testing::load_stories();
-  const ModelFingerprint fp = model_fingerprint(*model);
-  PoolName name("holder");
-  auto pool = SharePool::create(name.name, testing::small_config());
-  Engine engine(*model, EngineOptions{1});
-  const auto kv = pool->kv_pool(engine.kv_shape());
-  const std::uint32_t free_start = kv->counters().blocks_free;
+  ProcessWorld w("holder");
+  auto& [model, fp, name, pool, engine, kv, free_start] = w;
   std::unique_ptr<Session> producer;
   const Descriptor d = produce(*pool, engine, fp, "int8", producer);  // A's claim is released: the grant keeps it
   producer.reset();
@@ -230,13 +239,7 @@ TEST(ShareProcess, KilledHolderVoidsTheGrantItOpenedAndTheContextIsFreed) {
   EXPECT_EQ(held->holder_pid, b);
   EXPECT_EQ(held->grantee, "B");
   EXPECT_LT(kv->counters().blocks_free, free_start);
-  ASSERT_EQ(::kill(b, SIGKILL), 0);
-  int reaped = 0;
-  for (int i = 0; i < 1000 && reaped == 0; ++i) {
-    reaped = pool->reap();
-    if (reaped == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  EXPECT_EQ(reaped, 1);
+  EXPECT_EQ(kill_and_reap(*pool, b), 1);
   EXPECT_EQ(wait_exit(b), 128 + SIGKILL);
   // Nobody else could release the grant B held: the reaper voided it, and
   // with it the context (no producer claim, no other grant) and its blocks.
@@ -257,13 +260,8 @@ TEST(ShareProcess, KilledHolderVoidsTheGrantItOpenedAndTheContextIsFreed) {
 }
 
 TEST(ShareProcess, AHolderThatExitsCleanlyLeavesItsGrantDelivered) {
-  auto model = testing::load_stories();
-  const ModelFingerprint fp = model_fingerprint(*model);
-  PoolName name("deliver");
-  auto pool = SharePool::create(name.name, testing::small_config());
-  Engine engine(*model, EngineOptions{1});
-  const auto kv = pool->kv_pool(engine.kv_shape());
-  const std::uint32_t free_start = kv->counters().blocks_free;
+  ProcessWorld w("deliver");
+  auto& [model, fp, name, pool, engine, kv, free_start] = w;
   std::unique_ptr<Session> producer;
   const Descriptor d = produce(*pool, engine, fp, "int4", producer);
   producer.reset();
@@ -287,14 +285,11 @@ TEST(ShareProcess, AHolderThatExitsCleanlyLeavesItsGrantDelivered) {
 }
 
 TEST(ShareLease, AHolderIsIdleAfterTheLeaseAndCommitsOrTouchRenewIt) {
-  auto model = testing::load_stories();
-  const ModelFingerprint fp = model_fingerprint(*model);
-  PoolName name("lease");
   ShareConfig config = testing::small_config();
   config.lease_ms = 300;  // long enough that a loaded (or sanitized) run checks within it
-  auto pool = SharePool::create(name.name, config);
+  ProcessWorld w("lease", config);
+  auto& [model, fp, name, pool, engine, kv, free_start] = w;
   EXPECT_EQ(pool->lease_ms(), 300);
-  Engine engine(*model, EngineOptions{1});
   std::unique_ptr<Session> producer;
   const Descriptor d = produce(*pool, engine, fp, "int8", producer);
   HandoffResult h = open_session(*pool, engine, fp, d, "B", {HandoffMode::kv});
