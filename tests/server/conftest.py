@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -82,8 +83,16 @@ def server():
     assert s.stop() == 0, s.stderr
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # Keeps each phase's report on the test, so a fixture's teardown can tell whether the test failed.
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, "report_" + report.when, report)
+
+
 @pytest.fixture
-def make_server():
+def make_server(request):
     started = []
 
     def make(*args, **kw):
@@ -92,5 +101,12 @@ def make_server():
         return s
 
     yield make
+    failed = getattr(request.node, "report_call", None) is not None and request.node.report_call.failed
     for s in started:
+        exited = s.proc.poll()  # before stop(): a server that died by itself shows how
         s.stop()
+        if failed:
+            # A failure that is hard to reproduce (a reset connection, a crash) is diagnosed from here.
+            tail = "\n".join(s.stderr.splitlines()[-40:])
+            print(f"server on port {s.port}: {'still running' if exited is None else f'had exited with {exited}'}; "
+                  f"the last lines of its log:\n{tail}", file=sys.stderr)
