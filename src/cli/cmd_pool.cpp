@@ -69,7 +69,7 @@ void run_ls(const PoolArgs& a) {
     nlohmann::json j = nlohmann::json::array();
     for (const GrantInfo& g : grants)
       j.push_back({{"grant", g.slot}, {"generation", g.generation}, {"context", g.context_id}, {"producer", g.producer},
-                   {"grantee", g.grantee}, {"holder_pid", g.holder_pid}, {"state", g.state}, {"idle_ms", g.idle_ms}});
+                   {"grantee", g.grantee}, {"holder_pid", g.holder_pid}, {"state", to_string(g.state)}, {"idle_ms", g.idle_ms}});
     std::cout << nlohmann::json{{"lease_ms", pool->lease_ms()}, {"grants", j}}.dump(2) << "\n";
     return;
   }
@@ -77,7 +77,7 @@ void run_ls(const PoolArgs& a) {
               "idle ms");
   for (const GrantInfo& g : grants)
     std::printf("%-8u %-10llu %-16s %-16s %-10d %-10s %10llu\n", g.slot, static_cast<unsigned long long>(g.context_id),
-                g.producer.c_str(), g.grantee.c_str(), g.holder_pid, g.state.c_str(),
+                g.producer.c_str(), g.grantee.c_str(), g.holder_pid, std::string(to_string(g.state)).c_str(),
                 static_cast<unsigned long long>(g.idle_ms));
   std::printf("%zu grant%s, lease %d ms\n", grants.size(), grants.size() == 1 ? "" : "s", pool->lease_ms());
 }

@@ -46,6 +46,16 @@ std::shared_ptr<CommitHook> SharePool::Impl::lease_renewal(const Descriptor& d) 
   return std::make_shared<LeaseRenewal>(reg, d.grant_slot, d.grant_generation, lease_ns / 8);
 }
 
+std::string_view to_string(GrantStatus state) noexcept {
+  switch (state) {
+    case GrantStatus::issued: return "issued";
+    case GrantStatus::held: return "held";
+    case GrantStatus::idle: return "idle";
+    case GrantStatus::delivered: return "delivered";
+  }
+  return "unknown";
+}
+
 int SharePool::lease_ms() const noexcept { return static_cast<int>(impl_->h().lease_ms); }
 
 void SharePool::touch(const Descriptor& d) noexcept {
@@ -83,11 +93,11 @@ std::vector<GrantInfo> SharePool::grants() {
     const bool alive = has_holder && reg.alive(g.holder_slot);
     if (alive) info.holder_pid = static_cast<int>(reg.process(g.holder_slot).pid);
     if (g.opened == 0)
-      info.state = "issued";
+      info.state = GrantStatus::issued;
     else if (!alive)
-      info.state = "delivered";
+      info.state = GrantStatus::delivered;
     else
-      info.state = idle > lease_ns ? "idle" : "held";
+      info.state = idle > lease_ns ? GrantStatus::idle : GrantStatus::held;
     out.push_back(std::move(info));
   }
   return out;

@@ -323,8 +323,8 @@ ShareStats SharePool::stats() {
   }
   s.lease_ms = static_cast<int>(h.lease_ms);
   for (const GrantInfo& g : grants()) {
-    s.grants_held += g.state == "held";
-    s.grants_idle += g.state == "idle";
+    s.grants_held += g.state == GrantStatus::held;
+    s.grants_idle += g.state == GrantStatus::idle;
   }
   const auto c = [&](CounterIndex i) { return h.counters[i].load(std::memory_order_relaxed); };
   s.counters = ShareCounters{c(kSeals),          c(kGrants),           c(kOpensKv),          c(kOpensText),

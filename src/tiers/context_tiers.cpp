@@ -37,8 +37,8 @@ std::map<std::uint64_t, TierHold> holds_by_context(SharePool& pool) {
   std::map<std::uint64_t, TierHold> out;
   for (const GrantInfo& g : pool.grants()) {
     TierHold& h = out[g.context_id];
-    if (g.state == "held") h = TierHold::active;
-    else if (g.state == "idle" && h == TierHold::none) h = TierHold::idle;
+    if (g.state == GrantStatus::held) h = TierHold::active;
+    else if (g.state == GrantStatus::idle && h == TierHold::none) h = TierHold::idle;
   }
   return out;
 }

@@ -218,7 +218,7 @@ TEST(ShareProcess, KilledHolderVoidsTheGrantItOpenedAndTheContextIsFreed) {
   std::unique_ptr<Session> producer;
   const Descriptor d = produce(*pool, engine, fp, "int8", producer);  // A's claim is released: the grant keeps it
   producer.reset();
-  ASSERT_EQ(grant_of(*pool, d)->state, "issued");
+  ASSERT_EQ(grant_of(*pool, d)->state, GrantStatus::issued);
 
   int ready[2];
   ASSERT_EQ(::pipe(ready), 0);
@@ -235,7 +235,7 @@ TEST(ShareProcess, KilledHolderVoidsTheGrantItOpenedAndTheContextIsFreed) {
   wait_ready(ready[0]);
   const std::optional<GrantInfo> held = grant_of(*pool, d);
   ASSERT_TRUE(held.has_value());
-  EXPECT_EQ(held->state, "held");
+  EXPECT_EQ(held->state, GrantStatus::held);
   EXPECT_EQ(held->holder_pid, b);
   EXPECT_EQ(held->grantee, "B");
   EXPECT_LT(kv->counters().blocks_free, free_start);
@@ -275,7 +275,7 @@ TEST(ShareProcess, AHolderThatExitsCleanlyLeavesItsGrantDelivered) {
   pool->reap();
   const std::optional<GrantInfo> left = grant_of(*pool, d);
   ASSERT_TRUE(left.has_value());
-  EXPECT_EQ(left->state, "delivered");
+  EXPECT_EQ(left->state, GrantStatus::delivered);
   EXPECT_EQ(left->holder_pid, 0);
   EXPECT_EQ(pool->stats().counters.grants_reaped, 0u);
   // The grantee (or a later process acting for it) still releases it.
@@ -294,25 +294,25 @@ TEST(ShareLease, AHolderIsIdleAfterTheLeaseAndCommitsOrTouchRenewIt) {
   const Descriptor d = produce(*pool, engine, fp, "int8", producer);
   HandoffResult h = open_session(*pool, engine, fp, d, "B", {HandoffMode::kv});
   ASSERT_TRUE(h.kv);
-  EXPECT_EQ(grant_of(*pool, d)->state, "held");
+  EXPECT_EQ(grant_of(*pool, d)->state, GrantStatus::held);
   EXPECT_EQ(grant_of(*pool, d)->holder_pid, ::getpid());
   EXPECT_EQ(pool->stats().grants_held, 1);
   std::this_thread::sleep_for(std::chrono::milliseconds(400));
-  EXPECT_EQ(grant_of(*pool, d)->state, "idle");
+  EXPECT_EQ(grant_of(*pool, d)->state, GrantStatus::idle);
   EXPECT_GE(grant_of(*pool, d)->idle_ms, 350u);
   EXPECT_EQ(pool->stats().grants_idle, 1);
   // Decoding on the opened context renews the lease (its cache's commits).
   engine.forward(*h.session, std::vector<TokenId>{5, 6, 7});
-  EXPECT_EQ(grant_of(*pool, d)->state, "held");
+  EXPECT_EQ(grant_of(*pool, d)->state, GrantStatus::held);
   std::this_thread::sleep_for(std::chrono::milliseconds(400));
-  EXPECT_EQ(grant_of(*pool, d)->state, "idle");
+  EXPECT_EQ(grant_of(*pool, d)->state, GrantStatus::idle);
   pool->touch(d);  // a holder working on it without committing
-  EXPECT_EQ(grant_of(*pool, d)->state, "held");
+  EXPECT_EQ(grant_of(*pool, d)->state, GrantStatus::held);
   // A copy reader takes neither custody nor the lease: the grant stays the issuer's.
   const Descriptor d2 = pool->grant(seal_session(*pool, engine, fp, *producer, "A"), "A", "C");
   HandoffResult copy = open_session(*pool, engine, fp, d2, "C", {HandoffMode::kv, false, 0, GrantUse::copy});
   ASSERT_TRUE(copy.kv);
-  EXPECT_EQ(grant_of(*pool, d2)->state, "issued");
+  EXPECT_EQ(grant_of(*pool, d2)->state, GrantStatus::issued);
   EXPECT_EQ(grant_of(*pool, d2)->holder_pid, ::getpid());
 }
 

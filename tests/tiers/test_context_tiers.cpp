@@ -232,7 +232,7 @@ TEST_F(Tiers, FailedDemotionLeavesTheContextAsItWasAndSaysWhy) {
 // The state `pool` lists for the grant `d`, or "" when it is gone.
 std::string tier_grant_state(SharePool& pool, const Descriptor& d) {
   for (const GrantInfo& g : pool.grants())
-    if (g.slot == d.grant_slot && g.generation == d.grant_generation) return g.state;
+    if (g.slot == d.grant_slot && g.generation == d.grant_generation) return std::string(to_string(g.state));
   return "";
 }
 

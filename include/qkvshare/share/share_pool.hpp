@@ -46,14 +46,17 @@ struct ShareConfig {
 // so it may open a grant any number of times.
 enum class GrantUse { hold, copy };
 
+// issued: not opened yet; held: its opener is alive and used it within the
+// lease; idle: its opener is alive and did not; delivered: its opener exited.
+enum class GrantStatus { issued, held, idle, delivered };
+std::string_view to_string(GrantStatus state) noexcept;  // "issued", "held", "idle", "delivered"
+
 // One live grant, as `pool ls` lists it.
 struct GrantInfo {
   std::uint32_t slot = 0, generation = 0;
   std::uint64_t context_id = 0;
   std::string producer, grantee;
-  // issued: not opened yet; held: its opener is alive and used it within the
-  // lease; idle: its opener is alive and did not; delivered: its opener exited.
-  std::string state;
+  GrantStatus state = GrantStatus::issued;
   int holder_pid = 0;          // 0: nobody has custody
   std::uint64_t idle_ms = 0;   // since the holder last used it (or since it was issued)
 };
