@@ -78,6 +78,14 @@ std::vector<TokenId> srvtier_continue(SrvTierWorld& w, ContextStore& store, std:
   return srvtier_greedy(*w.engine, *s, kSrvTierNext, 24);
 }
 
+// Nothing stays in RAM at rest: every context over the budget goes to a fresh spill folder.
+StoreOptions srvtier_spill_all() {
+  StoreOptions o;
+  o.budget_bytes = 1;
+  o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
+  return o;
+}
+
 std::string srvtier_tier(ContextStore& store, std::uint64_t id) {
   return store.describe("default", id).at("tier").get<std::string>();
 }
@@ -95,9 +103,7 @@ TEST(ServerStoreTiers, SpilledContextIsRestoredWithTheSameTokens) {
         ContextStore plain(w.pool, *w.engine, StoreOptions{});
         want = srvtier_continue(w, plain, srvtier_add(w, plain, f));
       }
-      StoreOptions o;
-      o.budget_bytes = 1;  // nothing stays in RAM at rest
-      o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
+      StoreOptions o = srvtier_spill_all();
       if (encrypted) {
         std::array<std::uint8_t, KeyCipher::kKeyBytes> key{};
         key[3] = 7;
@@ -141,9 +147,7 @@ TEST(ServerStoreTiers, SpilledContextIsRestoredWithTheSameTokens) {
 
 TEST(ServerStoreTiers, DemotesFirstThenSpillsTheDemotedContext) {
   SrvTierWorld w;
-  StoreOptions o;
-  o.budget_bytes = 1;
-  o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
+  StoreOptions o = srvtier_spill_all();
   o.demote = KvFormat::parse("int4");
   ContextStore store(w.pool, *w.engine, o);
   const std::uint64_t id = srvtier_add(w, store, KvFormat::parse("int8"));
@@ -172,9 +176,7 @@ TEST(ServerStoreTiers, DemotesFirstThenSpillsTheDemotedContext) {
 
 TEST(ServerStoreTiers, AFailingDiskDropsTheContextAndTheStoreKeepsServing) {
   SrvTierWorld w;
-  StoreOptions o;
-  o.budget_bytes = 1;
-  o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
+  StoreOptions o = srvtier_spill_all();
   ContextStore store(w.pool, *w.engine, o);
   // The folder turns into a file: every write into it fails, even as root.
   fs::remove_all(o.spill_dir);
@@ -198,9 +200,7 @@ TEST(ServerStoreTiers, AFailingDiskDropsTheContextAndTheStoreKeepsServing) {
 
 TEST(ServerStoreTiers, ATamperedSpillFileIsRefusedNotDecoded) {
   SrvTierWorld w;
-  StoreOptions o;
-  o.budget_bytes = 1;
-  o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
+  StoreOptions o = srvtier_spill_all();
   ContextStore store(w.pool, *w.engine, o);
   const std::uint64_t id = srvtier_add(w, store, KvFormat::parse("int8"));
   EXPECT_EQ(store.evict_over_budget(), 1);
@@ -223,9 +223,7 @@ TEST(ServerStoreTiers, ATamperedSpillFileIsRefusedNotDecoded) {
 
 TEST(ServerStoreTiers, SpillFilesGoWithTheirContextAndTheStore) {
   SrvTierWorld w;
-  StoreOptions o;
-  o.budget_bytes = 1;
-  o.spill_dir = qkvshare::testing::temp_dir() + "/spill";
+  StoreOptions o = srvtier_spill_all();
   const KvFormat f = KvFormat::parse("int8");
   {
     ContextStore store(w.pool, *w.engine, o);

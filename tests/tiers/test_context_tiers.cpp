@@ -96,14 +96,20 @@ TEST_F(Tiers, EvictsTheContextNeededLastAndPrefetchesItBeforeItsConsumer) {
   EXPECT_EQ(pool_->stats().contexts, 0);
 }
 
+// Nothing fits at rest and nothing is prefetched: every context at rest goes to a fresh folder.
+TierOptions tiers_spill_all() {
+  TierOptions o;
+  o.budget_bytes = 1;
+  o.spill_dir = testing::temp_dir() + "/tiers";
+  o.prefetch = false;
+  return o;
+}
+
 TEST_F(Tiers, ContextOnDiskWhenItsConsumerStartsIsRestoredOnDemand) {
   const std::map<std::string, int> position{{"c1", 1}};
   std::map<std::string, Descriptor> g1;
   const auto want = produce("p1", "c1", 150, g1);
-  TierOptions o;
-  o.budget_bytes = 1;  // nothing fits at rest
-  o.spill_dir = testing::temp_dir() + "/tiers";
-  o.prefetch = false;
+  TierOptions o = tiers_spill_all();
   ContextTiers tiers(*pool_, o);
   tiers.add("p1", g1, position);
   tiers.step_finished(0);
@@ -282,10 +288,7 @@ TEST_F(Tiers, ContextAHolderIsUsingIsNeverAVictim) {
   HandoffResult h = open_session(*pool_, *engine_, fp_, g1.at("c1"), "c1", {HandoffMode::kv});
   ASSERT_TRUE(h.kv);
   ASSERT_EQ(tier_grant_state(*pool_, g1.at("c1")), "held");
-  TierOptions o;
-  o.budget_bytes = 1;  // nothing fits at rest
-  o.spill_dir = testing::temp_dir() + "/tiers";
-  o.prefetch = false;
+  TierOptions o = tiers_spill_all();
   ContextTiers tiers(*pool_, o);
   tiers.add("p1", g1, position);
   tiers.add("p2", g2, position);
