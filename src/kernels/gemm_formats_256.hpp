@@ -15,8 +15,11 @@
 //     value: maddubs with the sign trick (|q| <= 127), or vpdpbusd on u = q + 128
 //     with ActQ8::bias = -128 * sum x (the activation kind of Q8_0).
 // Sub-block scales of 16 values (Q2_K, Q3_K) fill lanes 0-3 and 4-7 apart.
+// The AVX2 unit of Q4_0, Q4_1 and Q8_0 (isa_avx2_quant.cpp) builds its
+// formats on Base too: offset, min and signed codes respectively.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "gemm_tiles.hpp"
 #include "kernel_table.hpp"
@@ -46,9 +49,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// A weight step: unsigned codes and the scale per lane; the min kind adds its
+// minimum (WMin), the others leave it out of the decoded-step buffers.
 struct W {
   __m256i q;
   __m256 d;
+};
+struct WMin : W {
   __m256 m;
 };
 struct X {
@@ -63,7 +70,7 @@ enum class Kind { offset, min, signed_codes };
 template <Kind K>
 struct Base {
   using Acc = __m256;
-  using W = f256::W;
+  using W = std::conditional_t<K == Kind::min, WMin, f256::W>;
   using X = f256::X;
   static constexpr bool kBias = K == Kind::offset || (K == Kind::signed_codes && kVnni);
   static __m256 zero() { return _mm256_setzero_ps(); }

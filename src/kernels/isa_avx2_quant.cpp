@@ -13,108 +13,45 @@
 
 #include "gemm_tiles.hpp"
 #include "kernel_table.hpp"
+#define QKVSHARE_F256_ISA avx2
+#include "gemm_formats_256.hpp"  // Base: the 256-bit step of 8-bit activations
 #include "qkvshare/kernels/quant.hpp"  // block layouts only
 
 namespace qkvshare::kernels::detail::avx2 {
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using f256::hsum;
+using f256::Kind;
 
-// A weight step: unsigned codes and the scale per lane; Q4_1 adds its
-// minimum (WQMin), the others leave it out of the decoded-step buffers.
-struct WQ {
-  __m256i q;
-  __m256 d;
-};
-struct WQMin : WQ {
-  __m256 m;
-};
-struct XQ {
-  __m256i q;
-  __m256 dl;
-  __m256i bias;
-  __m256 xs;
-};
-
-// kSigned: w.q holds signed int8 codes (Q8_0), multiplied with the sign trick.
-template <bool kMin, bool kSigned = false>
-struct QBase {
-  using Acc = __m256;
-  using W = std::conditional_t<kMin, WQMin, WQ>;
-  using X = XQ;
-  static __m256 zero() { return _mm256_setzero_ps(); }
-  static float reduce(__m256 v) { return hsum(v); }
-  static bool tail(std::int64_t) { return false; }
-  static XQ load_x(const GemmArgs& a, std::int64_t t, std::int64_t s) {
-    const std::int64_t off = t * a.cols + 32 * s;
-    XQ x{};
-    x.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.act.qs + off));
-    x.dl = _mm256_loadu_ps(a.act.dl + off / 4);
-    if constexpr (kMin)
-      x.xs = _mm256_loadu_ps(a.act.xs + off / 4);
-    else if constexpr (!kSigned)
-      x.bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.act.bias + off / 4));
-    return x;
-  }
-  static XQ load_x_tail(const GemmArgs& a, std::int64_t t, std::int64_t s) { return load_x(a, t, s); }
-  static void mac(__m256& acc, const W& w, const XQ& x) {
-    __m256i p16;
-    if constexpr (kSigned)
-      p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w.q, w.q), _mm256_sign_epi8(x.q, w.q));
-    else
-      p16 = _mm256_maddubs_epi16(w.q, x.q);
-    __m256i p = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-    if constexpr (!kMin && !kSigned) p = _mm256_add_epi32(p, x.bias);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(w.d, x.dl), acc);
-    if constexpr (kMin) acc = _mm256_fmadd_ps(w.m, x.xs, acc);
-  }
-};
-
-inline __m256i nibbles(const std::uint8_t* qs) {
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(a, 4), a), _mm256_set1_epi8(0x0f));
-}
-
-struct FQ4_0 : QBase<false> {
-  static std::int64_t steps(std::int64_t cols) { return cols / 32; }
-  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+struct FQ4_0 : f256::Base<Kind::offset> {
+  static W load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
     const BlockQ4_0* b = reinterpret_cast<const BlockQ4_0*>(row) + s;
-    WQ w{};
-    w.q = nibbles(b->qs);
+    W w{};
+    w.q = f256::nibbles16(b->qs);
     w.d = _mm256_set1_ps(_cvtsh_ss(b->d));
     return w;
   }
-  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
 };
 
-struct FQ4_1 : QBase<true> {
-  static std::int64_t steps(std::int64_t cols) { return cols / 32; }
-  static WQMin load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+struct FQ4_1 : f256::Base<Kind::min> {
+  static W load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
     const BlockQ4_1* b = reinterpret_cast<const BlockQ4_1*>(row) + s;
-    WQMin w{};
-    w.q = nibbles(b->qs);
+    W w{};
+    w.q = f256::nibbles16(b->qs);
     w.d = _mm256_set1_ps(_cvtsh_ss(b->d));
     w.m = _mm256_set1_ps(_cvtsh_ss(b->m));
     return w;
   }
-  static WQMin load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
 };
 
-struct FQ8_0 : QBase<false, true> {
-  static std::int64_t steps(std::int64_t cols) { return cols / 32; }
-  static WQ load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
+struct FQ8_0 : f256::Base<Kind::signed_codes> {  // no VNNI here: the sign trick, no bias
+  static W load_w(const std::uint8_t* row, std::int64_t s, const GemmArgs&) {
     const BlockQ8_0* b = reinterpret_cast<const BlockQ8_0*>(row) + s;
-    WQ w{};
+    W w{};
     w.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs));
     w.d = _mm256_set1_ps(_cvtsh_ss(b->d));
     return w;
   }
-  static WQ load_w_tail(const std::uint8_t* row, std::int64_t s, const GemmArgs& a) { return load_w(row, s, a); }
 };
 
 // A step is 32 values of a super-block: two groups of 16 with their own scales.
