@@ -235,6 +235,7 @@ struct Server::Impl {
     job->n = r.n;
     job->max_tokens = r.max_tokens;
     job->stop = r.stop;
+    job->ignore_eos = r.ignore_eos;
     job->sampling.temperature = r.temperature;
     job->sampling.top_p = r.top_p;
     job->sampling.top_k = 0;
@@ -625,6 +626,10 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
   const int threads = o.http_threads > 0 ? o.http_threads : o.parallel + o.queue + 8;
   m.http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<std::size_t>(threads)); };
   m.http.set_payload_max_length(o.max_body_bytes);
+  // Agents send many requests in a row: cpp-httplib 0.11 closes a connection
+  // after 5 (newer releases after 100), so a client reconnected every fifth
+  // request, and each reconnect queues behind a listen backlog of 5.
+  m.http.set_keep_alive_max_count(100);
   m.http.set_read_timeout(30);
   m.http.set_write_timeout(30);
   m.routes();
