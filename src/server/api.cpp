@@ -280,6 +280,7 @@ CompletionRequest decode_request(Endpoint endpoint, std::string_view body, const
   if (const json* v = field("seed")) r.seed = static_cast<std::uint64_t>(get_int(*v, "seed", std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max()));
   if (const json* v = field("n")) r.n = static_cast<int>(get_int(*v, "n", 1, limits.max_n));
   if (const json* v = field("stream")) r.stream = get_bool(*v, "stream");
+  if (const json* v = field("ignore_eos")) r.ignore_eos = get_bool(*v, "ignore_eos");
   if (const json* v = field("stop")) {
     if (v->is_string()) {
       r.stop.push_back(get_string(*v, "stop", limits));

@@ -307,6 +307,7 @@ class BatchedScheduler final : public Scheduler {
     q.options.sampling = job.sampling;
     q.options.sampling.seed = job.sampling.seed + static_cast<std::uint64_t>(i);
     q.options.stop_strings = job.stop;
+    q.options.stop_at_end_of_generation = !job.ignore_eos;
     q.on_text = [this, &r, i](std::string_view text) {
       r.emitted = true;
       emit(*r.job, i, std::string(text));

@@ -37,6 +37,7 @@ TEST(ServerApi, DecodesAChatRequest) {
   EXPECT_EQ(r.seed, 42u);
   EXPECT_EQ(r.n, 2);
   EXPECT_TRUE(r.stream && r.include_usage);
+  EXPECT_FALSE(r.ignore_eos);
   EXPECT_EQ(r.ext.context, "ctx-00000000000000ab");
   EXPECT_EQ(r.ext.mode, ReuseMode::fork);
   EXPECT_EQ(r.ext.kv, "int4");
@@ -54,6 +55,8 @@ TEST(ServerApi, DefaultsAndCompletionPrompts) {
   EXPECT_EQ(r.max_tokens, 3);
   r = decode_request(Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"qkvshare":{"context":"qkv1.x"}})");
   EXPECT_EQ(r.ext.mode, ReuseMode::continue_);  // a named context without a mode continues it
+  r = decode_request(Endpoint::completion, R"({"prompt":"abc","ignore_eos":true})");
+  EXPECT_TRUE(r.ignore_eos);
 }
 
 TEST(ServerApi, BadRequestsNameTheField) {
@@ -80,6 +83,7 @@ TEST(ServerApi, BadRequestsNameTheField) {
       {Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"stop":[1]})", "stop[0]"},
       {Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]})", "stop"},
       {Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"stream":"yes"})", "stream"},
+      {Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"ignore_eos":1})", "ignore_eos"},
       {Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}})", "stream_options"},
       {Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})", "tools"},
       {Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"logprobs":true})", "logprobs"},

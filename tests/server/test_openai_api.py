@@ -1,10 +1,12 @@
 """Every endpoint through the `openai` client (PyPI) and curl, streaming and not."""
 import json
 import subprocess
+import sys
 
 import httpx
 import openai
 import pytest
+from conftest import smollm2_path
 
 MSG = [{"role": "user", "content": "Once upon a time, there was a little girl named Lily."}]
 
@@ -190,3 +192,23 @@ def test_automatic_reuse_splices_replies_quoted_in_a_prompt(make_server):
     assert "splices" not in off.model_extra["qkvshare"]
     m = s.wait_idle()
     assert m.get('qkvshare_tokens_reused_total{mode="splice",source="auto"}', 0) >= spliced
+
+
+def test_ignore_eos_runs_a_reply_to_max_tokens(make_server):
+    # stories260K almost never samples its end-of-text token; SmolLM2 closes a short chat reply with
+    # <|im_end|>.
+    model = smollm2_path()
+    if model is None:
+        print("*** SmolLM2 not found: ignore_eos is not tested (scripts/fetch_model.sh fetches it) ***",
+              file=sys.stderr)
+        pytest.skip("SmolLM2-135M-Instruct is not downloaded")
+    s = make_server(model=[model])
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "Say hi."}], max_tokens=64, temperature=0,
+              extra_body={"qkvshare": {"reuse": False}})
+    ended = c.chat.completions.create(**kw)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 64
+    kw["extra_body"]["ignore_eos"] = True
+    full = c.chat.completions.create(**kw)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 64
+    assert full.choices[0].message.content.startswith(ended.choices[0].message.content)

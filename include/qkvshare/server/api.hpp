@@ -80,6 +80,7 @@ struct CompletionRequest {
   int n = 1;
   bool stream = false;
   bool include_usage = false;          // stream_options.include_usage
+  bool ignore_eos = false;             // llama-server's and vLLM's extension: end-of-turn tokens do not end a reply
   Extension ext;
 };
 

@@ -62,6 +62,7 @@ struct Job {
   int n = 1, max_tokens = 256;
   SamplingParams sampling;
   std::vector<std::string> stop;
+  bool ignore_eos = false;  // replies run to max_tokens or a stop string
   Clock::time_point submitted = Clock::now();
   std::atomic<bool> cancelled{false};       // the client went away
 
