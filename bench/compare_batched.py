@@ -165,7 +165,9 @@ def main():
             llamas[f"llama.cpp" if v == "0.3.36" else f"llama.cpp-{v}"] = exe
         else:
             cl.log(f"no {exe}: llama.cpp {v} is left out")
-    paths = cl.ensure_models(a.qkvshare, a.models)
+    # The k-quant models are made by llama-quantize from the same build.
+    quantize = next((exe.with_name("llama-quantize") for exe in llamas.values()), None)
+    paths = cl.ensure_models(a.qkvshare, a.models, quantize)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     a.out_dir.mkdir(parents=True, exist_ok=True)
     tmp = a.out_dir / f".batched-{stamp}.json"
