@@ -5,7 +5,9 @@
 
 Both servers get the same model file, threads and requests; runs alternate engine by engine and are
 repeated; medians are reported. llama-server runs with --parallel 4 and prompt caching (f16 KV);
-qkvshare serve with int8 KV and automatic reuse. Jobs (temperature 0, max_tokens fixed):
+qkvshare serve with int8 KV and automatic reuse. Jobs (temperature 0, max_tokens fixed, and
+`ignore_eos` on both servers, so that every reply runs to max_tokens and both generate the same
+number of tokens: equal work; greedy replies of the two engines otherwise end at different lengths):
   W2 (fan-out): a reader summarizes a ~1,000-token document, then N agents ask their own question
      about it concurrently (each resends system + document + summary + question), then an aggregator
      combines the answers;
@@ -85,7 +87,7 @@ class Engine:
 
 def chat(engine, messages, max_tokens):
     body = {"model": "x" if engine.name == "llamacpp" else None, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0}
+            "temperature": 0, "ignore_eos": True}
     body = {k: v for k, v in body.items() if v is not None}
     r = httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=600)
     r.raise_for_status()
