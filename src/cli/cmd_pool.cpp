@@ -75,10 +75,12 @@ void run_ls(const PoolArgs& a) {
   }
   std::printf("%-8s %-10s %-16s %-16s %-10s %-10s %10s\n", "grant", "context", "producer", "grantee", "holder", "state",
               "idle ms");
-  for (const GrantInfo& g : grants)
-    std::printf("%-8u %-10llu %-16s %-16s %-10d %-10s %10llu\n", g.slot, static_cast<unsigned long long>(g.context_id),
-                g.producer.c_str(), g.grantee.c_str(), g.holder_pid, std::string(to_string(g.state)).c_str(),
+  for (const GrantInfo& g : grants) {
+    const std::string_view state = to_string(g.state);
+    std::printf("%-8u %-10llu %-16s %-16s %-10d %-10.*s %10llu\n", g.slot, static_cast<unsigned long long>(g.context_id),
+                g.producer.c_str(), g.grantee.c_str(), g.holder_pid, static_cast<int>(state.size()), state.data(),
                 static_cast<unsigned long long>(g.idle_ms));
+  }
   std::printf("%zu grant%s, lease %d ms\n", grants.size(), grants.size() == 1 ? "" : "s", pool->lease_ms());
 }
 

@@ -9,8 +9,6 @@
 #include "act_q8_store.hpp"
 #include "simd_intrin.hpp"
 
-#include <type_traits>
-
 #include "gemm_tiles.hpp"
 #include "kernel_table.hpp"
 #define QKVSHARE_F256_ISA avx2

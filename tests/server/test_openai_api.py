@@ -203,7 +203,7 @@ def test_ignore_eos_runs_a_reply_to_max_tokens(make_server):
               file=sys.stderr)
         pytest.skip("SmolLM2-135M-Instruct is not downloaded")
     s = make_server(model=[model])
-    c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    c = client(s)
     kw = dict(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "Say hi."}], max_tokens=64, temperature=0,
               extra_body={"qkvshare": {"reuse": False}})
     ended = c.chat.completions.create(**kw)
