@@ -31,6 +31,7 @@ void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax,
   if (main > 0) detail::tile_fit<Vec>(x, n, stride, main, qmax, lo, hi);
   if (main < lanes) avx2::tile_fit(x + main, n, stride, lanes - main, qmax, lo + main, hi + main);
 }
+void tile_encode_f16(const float* x, std::size_t n, std::uint16_t* out) { detail::tile_encode_f16<Vec>(x, n, out); }
 // The code kernels take 32 channels at a time (2 x 16 lanes of int16), 64
 // for 4-bit keys (4 x 16 bytes).
 void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,

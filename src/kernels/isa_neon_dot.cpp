@@ -30,6 +30,7 @@ void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::p
 void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi) {
   neon::tile_fit(x, n, stride, lanes, qmax, lo, hi);
 }
+void tile_encode_f16(const float* x, std::size_t n, std::uint16_t* out) { neon::tile_encode_f16(x, n, out); }
 void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
                       void* qc, float* ab) {
   neon::tile_query_codes(t, tile, q, nq, score_scale, qc, ab);

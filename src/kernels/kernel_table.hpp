@@ -152,7 +152,8 @@ const KernelTable& portable_table() noexcept;
                      std::size_t p_stride, int nq, float* o);                                                \
   void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step,            \
                  RopeStyle style);                                                                           \
-  void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi);
+  void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi);        \
+  void tile_encode_f16(const float* x, std::size_t n, std::uint16_t* out);
 namespace avx2 {
 QKVSHARE_DECLARE_ISA_KERNELS
 }

@@ -150,6 +150,20 @@ void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, 
   }
 }
 
+// kv_tiles.hpp's TileEncodeF16Fn. The hardware keeps a NaN's payload where
+// the reference writes one quiet NaN: a vector holding a NaN goes to the
+// reference.
+template <class V>
+void tile_encode_f16(const float* x, std::size_t n, std::uint16_t* out) {
+  std::size_t i = 0;
+  for (; i + V::N <= n; i += V::N) {
+    const typename V::F v = V::loadu(x + i);
+    if (V::any_nan(v)) encode_f16_ref(x + i, V::N, out + i);
+    else V::store_f16(out + i, v);
+  }
+  if (i < n) encode_f16_ref(x + i, n - i, out + i);
+}
+
 // kv_tiles.hpp's TileRopeFn. Neox needs head_dim / 2 to be a multiple of N.
 template <class V>
 void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step, RopeStyle style) {
@@ -270,4 +284,7 @@ void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax,
   }                                                                                                       \
   void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi) {  \
     detail::tile_fit<Vec>(x, n, stride, lanes, qmax, lo, hi);                                             \
+  }                                                                                                       \
+  void tile_encode_f16(const float* x, std::size_t n, std::uint16_t* out) {                               \
+    detail::tile_encode_f16<Vec>(x, n, out);                                                              \
   }

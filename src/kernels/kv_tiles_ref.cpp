@@ -275,4 +275,8 @@ void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, con
   }
 }
 
+void encode_f16_ref(const float* x, std::size_t n, std::uint16_t* out) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = fp32_to_fp16(x[i]);
+}
+
 }  // namespace qkvshare::kernels

@@ -13,6 +13,7 @@
 // pow2i (2^k for k in the normal exponent range)
 // hsum (sum of the lanes), hsum8 (out[r] = hsum(a[r]) for 8 vectors)
 // load_f16 (N f16 values), f16x8 (exactly 8 f16 values to 8 floats in memory)
+// store_f16 (N floats to f16, round to nearest even), any_nan
 // codes<Bits>(row, c): the N codes of elements c.. of a packed row (pack_row in
 //   kv_kernels.cpp: 8 elements per Bits bytes, element i of a unit at bit
 //   i * Bits; c a multiple of N). May read up to 3 bytes past a unit: a tile's
@@ -61,6 +62,10 @@ struct Vec {
     _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
   }
   static F load_f16(const std::uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store_f16(std::uint16_t* p, F v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static bool any_nan(F v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
   static void f16x8(const std::uint16_t* p, float* out) {
     _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
@@ -124,6 +129,10 @@ struct Vec {
     _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
   }
   static F load_f16(const std::uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store_f16(std::uint16_t* p, F v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static bool any_nan(F v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
   static void f16x8(const std::uint16_t* p, float* out) { _mm256_storeu_ps(out, load_f16(p)); }
   // A broadcast 32-bit word shifted by i * Bits per lane, then masked.
   template <int Bits>
@@ -175,6 +184,8 @@ struct Vec {
     vst1q_f32(out + 4, vpaddq_f32(vpaddq_f32(a[4], a[5]), vpaddq_f32(a[6], a[7])));
   }
   static F load_f16(const std::uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+  static void store_f16(std::uint16_t* p, F v) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v))); }
+  static bool any_nan(F v) { return vminvq_u32(vceqq_f32(v, v)) == 0; }
   static void f16x8(const std::uint16_t* p, float* out) {
     vst1q_f32(out, load_f16(p));
     vst1q_f32(out + 4, load_f16(p + 4));

@@ -124,8 +124,7 @@ void encode_row(const KvCodec& codec, const TileLayout& l, const float* row, int
   if (codec.type == KvType::f32) {
     std::memcpy(dst, row, l.row_bytes);
   } else {
-    auto* h = reinterpret_cast<std::uint16_t*>(dst);
-    for (int c = 0; c < l.head_dim; ++c) h[c] = fp32_to_fp16(row[c]);
+    kernels::tile_kernels().encode_f16(row, static_cast<std::size_t>(l.head_dim), reinterpret_cast<std::uint16_t*>(dst));
   }
 }
 

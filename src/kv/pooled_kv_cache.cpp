@@ -495,7 +495,10 @@ void PooledKvCache::write_block(int layer, int wi, const float* k, const float* 
         for (int r = old_rows; r < end_rows; ++r) kv::encode_row(dc, dl, in_row(r), r, dst);
         continue;
       }
-      if (old_rows > 0)
+      if (old_rows > 0 && !sc.quantized())  // f16 and f32 decode exactly on every level
+        kernels::tile_kernels().decode(kv::tile_codes(sc, tile_layout(sc, T, D)), pool_->tile(w.src, kind, layer, h),
+                                       old_rows, rows.data());
+      else if (old_rows > 0)
         kv::decode_tile_scalar(sc, tile_layout(sc, T, D), pool_->tile(w.src, kind, layer, h), old_rows, rows.data(),
                                kv::codebook_slice(format_, sc, kind, layer, h));
       for (int r = old_rows; r < end_rows; ++r)

@@ -123,6 +123,11 @@ void rope_table_row(float pos, const float* inv_freq, int head_dim, RopeStyle st
 using TileFitFn = void (*)(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi);
 inline constexpr float kFitMinRange = 1e-30f;
 
+// n floats to f16 (round to nearest even, overflow to infinity, subnormals
+// kept), bit for bit fp32_to_fp16 (core/half.hpp) on every level, NaNs
+// included: the KV pool's f16 rows and hot copies.
+using TileEncodeF16Fn = void (*)(const float* x, std::size_t n, std::uint16_t* out);
+
 struct TileKernels {
   TileDecodeFn decode = nullptr;
   TileScoresFn scores = nullptr;
@@ -133,6 +138,7 @@ struct TileKernels {
   TileCodeSumFn code_sum = nullptr;
   TileRopeFn rope = nullptr;
   TileFitFn fit = nullptr;
+  TileEncodeF16Fn encode_f16 = nullptr;
 };
 
 // The kernels of one level (throws Error(invalid_argument) where it is not
@@ -153,5 +159,6 @@ void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, con
                   int nq, float* o);
 void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step, RopeStyle style);
 void fit_ranges_ref(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi);
+void encode_f16_ref(const float* x, std::size_t n, std::uint16_t* out);
 
 }  // namespace qkvshare::kernels
