@@ -27,36 +27,19 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "bench_util.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/block_checksums.hpp"
 #include "qkvshare/share/handoff.hpp"
 
 using namespace qkvshare;
+using qkvshare::bench::fill_random_kv;
+using qkvshare::bench::median;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
 double us_since(Clock::time_point t0) { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); }
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-// Fills `n` tokens of random K/V (written layer by layer, as the forward pass does).
-void fill(PooledKvCache& cache, int n) {
-  const KvShape& s = cache.shape();
-  std::mt19937 rng(7);
-  std::normal_distribution<float> g(0.0f, 1.0f);
-  const int chunk = 256;
-  std::vector<float> k(static_cast<std::size_t>(chunk) * s.kv_dim()), v(k.size());
-  for (auto& x : k) x = g(rng);
-  for (auto& x : v) x = g(rng);
-  for (int done = 0; done < n; done += chunk) {
-    const int m = std::min(chunk, n - done);
-    for (int l = 0; l < s.n_layers; ++l) cache.write(l, m, k.data(), v.data());
-    cache.commit(m);
-  }
-}
 
 struct Row {
   int tokens = 0;
@@ -101,7 +84,7 @@ Row measure(int n, const KvShape& shape, const KvFormat& format, int reps, const
   for (const bool background : {false, true}) {
     kv::set_background_checksums(background);
     PooledKvCache first(kv, format, n);
-    fill(first, n);
+    fill_random_kv(first, n);
     const auto t0 = Clock::now();
     SealedContext s = pool->seal(first, ids, "", fp, "A");
     (background ? row.seal_first_immediate_us : row.seal_first_sync_us) = us_since(t0);
@@ -109,7 +92,7 @@ Row measure(int n, const KvShape& shape, const KvFormat& format, int reps, const
     kv::wait_for_checksums();
   }
   PooledKvCache cache(kv, format, n);
-  fill(cache, n);
+  fill_random_kv(cache, n);
   auto t0 = Clock::now();
   kv::wait_for_checksums();
   row.catch_up_us = us_since(t0);

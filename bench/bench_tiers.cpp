@@ -34,6 +34,7 @@
 #include <random>
 
 #include "qkvshare/agents/orchestrator.hpp"
+#include "bench_util.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/share/handoff.hpp"
 #include "qkvshare/tiers/crypto.hpp"
@@ -41,30 +42,13 @@
 #include "qkvshare/tiers/redis_tier.hpp"
 
 using namespace qkvshare;
+using qkvshare::bench::fill_random_kv;
+using qkvshare::bench::median;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-void fill(PooledKvCache& cache, int n) {
-  const KvShape& s = cache.shape();
-  std::mt19937 rng(7);
-  std::normal_distribution<float> g(0.0f, 1.0f);
-  const int chunk = 256;
-  std::vector<float> k(static_cast<std::size_t>(chunk) * s.kv_dim()), v(k.size());
-  for (auto& x : k) x = g(rng);
-  for (auto& x : v) x = g(rng);
-  for (int done = 0; done < n; done += chunk) {
-    const int m = std::min(chunk, n - done);
-    for (int l = 0; l < s.n_layers; ++l) cache.write(l, m, k.data(), v.data());
-    cache.commit(m);
-  }
-}
 
 struct DiskRow {
   int tokens = 0;
@@ -212,7 +196,7 @@ int main(int argc, char** argv) {
       for (int i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = 1 + i % 1000;
       for (const auto& f : formats) {
         auto cache = std::make_unique<PooledKvCache>(kv, KvFormat::parse(f), n);
-        fill(*cache, n);
+        fill_random_kv(*cache, n);
         const SealedContext s = pool->seal(*cache, ids, "", fp, "bench");
         ds.push_back(pool->grant(s, "bench", "reader"));
         pool->release(s);
