@@ -8,6 +8,7 @@
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/clock.hpp"
+#include "qkvshare/kernels/packed_weights.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 #include "qkvshare/kv/shared_block_reads.hpp"
@@ -25,6 +26,9 @@ void add_model_args(CLI::App& cmd, ModelArgs& args) {
   cmd.add_flag("--float-activations", args.float_activations,
                "Float activations on the SIMD kernels (weights dequantized to f32 once, 4 bytes per weight): no 8-bit "
                "activation rounding, for quality measurements below its noise");
+  cmd.add_flag("--unpacked-weights", args.unpacked_weights,
+               "Q4_0 matrices are multiplied as the file stores them, instead of from a copy packed at load into the "
+               "kernels' 16-row tiles (the earlier behaviour; to measure both ways)");
   cmd.add_flag("--kv-decode-tiles", args.kv_decode_tiles,
                "Attention decodes each integer KV tile to f32 before reading it, instead of computing on its codes "
                "(the earlier, slower path; to compare the two)");
@@ -60,12 +64,14 @@ EngineOptions engine_options(const ModelArgs& args) {
 
 std::unique_ptr<Model> load_model(const ModelArgs& args) {
   const auto t0 = std::chrono::steady_clock::now();
+  kernels::set_weight_packing(!args.unpacked_weights);  // read by Model::load
   auto model = Model::load(args.model_path, args.tokenizer_path);
   const double s = seconds_since(t0);
   const ModelConfig& c = model->config();
-  std::fprintf(stderr, "loaded %s (%s, %d layers, d_model %d, vocab %d, %.1f MiB weights) in %.3f s\n",
+  std::fprintf(stderr, "loaded %s (%s, %d layers, d_model %d, vocab %d, %.1f MiB weights, %.1f MiB packed) in %.3f s\n",
                args.model_path.c_str(), c.architecture.c_str(), c.n_layers, c.d_model, c.vocab_size,
-               static_cast<double>(model->weight_bytes()) / (1024.0 * 1024.0), s);
+               static_cast<double>(model->weight_bytes()) / (1024.0 * 1024.0),
+               static_cast<double>(model->packed_bytes()) / (1024.0 * 1024.0), s);
   return model;
 }
 

@@ -21,6 +21,7 @@ struct ModelArgs {
   bool float_activations = false;
   bool kv_stored_in_pass = false;
   bool kv_decode_tiles = false;
+  bool unpacked_weights = false;
   bool kv_keep_windowed = false;
   bool kv_private_reads = false;
   bool kv_quantize_in_pass = false;

@@ -33,7 +33,11 @@ namespace {
 // Constant-initialised, so that reading a table runs no code of its level.
 #if QKVSHARE_X86_KERNELS
 constinit const detail::KernelTable kAvx2 = QKVSHARE_ISA_TABLE(avx2);
-constinit const detail::KernelTable kAvx512 = QKVSHARE_ISA_TABLE(avx512);
+constinit const detail::KernelTable kAvx512 = [] {
+  detail::KernelTable t = QKVSHARE_ISA_TABLE(avx512);
+  t.gemm_q4_0_packed = detail::avx512::gemm_q4_0_packed;
+  return t;
+}();
 #endif
 #if QKVSHARE_ARM64_KERNELS
 constinit const detail::KernelTable kNeon = QKVSHARE_ISA_TABLE(neon);

@@ -100,6 +100,8 @@ struct KernelTable {
   GemmFn gemm_q5_k = nullptr;
   GemmFn gemm_iq4_nl = nullptr;
   GemmFn gemm_iq4_xs = nullptr;
+  // Q4_0 rows in packed 16-row tiles (packed_weights.hpp); only levels that read them.
+  GemmFn gemm_q4_0_packed = nullptr;
   QuantizeActFn quantize_act = nullptr;
   SiluMulFn silu_mul = nullptr;
   GeluMulFn gelu_mul = nullptr;
@@ -163,6 +165,7 @@ QKVSHARE_DECLARE_MORE_GEMMS
 }
 namespace avx512 {
 QKVSHARE_DECLARE_ISA_KERNELS
+void gemm_q4_0_packed(const GemmArgs& a);
 }
 namespace neon {
 QKVSHARE_DECLARE_ISA_KERNELS

@@ -6,6 +6,7 @@
 
 #include "kernel_table.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kernels/packed_weights.hpp"
 #include "qkvshare/kernels/quant.hpp"
 
 namespace qkvshare::kernels {
@@ -171,6 +172,8 @@ void matmul_multi(ThreadPool& pool, std::span<const MatmulOut> outs, const float
   struct Job {
     GemmArgs args;
     detail::GemmFn fn = nullptr;
+    detail::GemmFn packed_fn = nullptr;  // reads w.packed (packed_weights.hpp), whole tiles only
+    const std::uint8_t* packed = nullptr;
     std::int32_t kind = 0;
     std::size_t first_row = 0;  // within its group
     bool done = false;
@@ -190,6 +193,10 @@ void matmul_multi(ThreadPool& pool, std::span<const MatmulOut> outs, const float
     a.ldy = w.rows();
     jobs[i].fn = gemm_for(k, w.type);
     jobs[i].kind = activation_kind(w.type);
+    if (w.packed != nullptr && w.type == GgmlType::Q4_0 && k.gemm_q4_0_packed != nullptr) {
+      jobs[i].packed_fn = k.gemm_q4_0_packed;
+      jobs[i].packed = w.packed;
+    }
   }
   // Weights that read the same activations form a group: its activations are
   // quantized once, and one parallel_for covers the rows of all its weights
@@ -217,10 +224,16 @@ void matmul_multi(ThreadPool& pool, std::span<const MatmulOut> outs, const float
         if (lo >= hi) continue;
         GemmArgs a = j.args;
         const std::size_t r0 = lo - j.first_row;
-        a.w += r0 * a.row_bytes;
         a.n_rows = static_cast<std::int64_t>(hi - lo);
         a.y += r0;
-        j.fn(a);
+        constexpr std::size_t R = kPackedTileRows;
+        if (j.packed_fn != nullptr && r0 % R == 0 && (hi - lo) % R == 0) {  // whole packed tiles
+          a.w = j.packed + r0 * a.row_bytes;
+          j.packed_fn(a);
+        } else {
+          a.w += r0 * a.row_bytes;
+          j.fn(a);
+        }
       }
     });
   }

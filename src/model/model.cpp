@@ -1,8 +1,16 @@
 #include "qkvshare/model/model.hpp"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstring>
+#include <new>
+#include <thread>
+#include <vector>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kernels/packed_weights.hpp"
 #include "qkvshare/model/gguf.hpp"
 
 namespace qkvshare {
@@ -16,7 +24,47 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::string& t
   probe = MappedFile();
   std::unique_ptr<Model> model = is_gguf ? load_gguf(path, mode) : load_llama2c(path, tokenizer_path, mode);
   model->validate();
+  model->pack_weights(mode);
   return model;
+}
+
+void Model::FreeAligned::operator()(std::uint8_t* p) const noexcept { ::operator delete[](p, std::align_val_t{64}); }
+
+std::size_t Model::packed_bytes() const noexcept { return packed_bytes_; }
+
+// Each matmul weight the active kernels read faster packed gets a packed copy
+// (built on all cores), and its view points there; the file's pages of it
+// are then dropped from memory when they come from the page cache (they
+// come back from the file if anything reads the rows as stored, such as a
+// tied embedding's lookups or another kernel level).
+void Model::pack_weights(MappedFile::Mode mode) {
+  std::vector<TensorView*> all{&weights_.output};
+  for (LayerWeights& l : weights_.layers)
+    for (TensorView* t : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) all.push_back(t);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
+  for (TensorView* t : all) {
+    if (!kernels::packs(*t)) continue;
+    std::unique_ptr<std::uint8_t[], FreeAligned> buf(
+        static_cast<std::uint8_t*>(::operator new[](t->nbytes, std::align_val_t{64})));
+    const std::int64_t tiles = t->rows() / kernels::kPackedTileRows;
+    std::vector<std::thread> threads;
+    for (unsigned i = 0; i < n_threads; ++i)
+      threads.emplace_back([&, i] {
+        kernels::pack_tiles(*t, tiles * i / n_threads, tiles * (i + 1) / n_threads, buf.get());
+      });
+    for (std::thread& th : threads) th.join();
+    t->packed = buf.get();
+    packed_bytes_ += t->nbytes;
+    packed_.push_back(std::move(buf));
+    if (mode == MappedFile::Mode::shared && page > 0) {
+      const auto lo = (reinterpret_cast<std::uintptr_t>(t->data) + page - 1) / page * page;
+      const auto hi = (reinterpret_cast<std::uintptr_t>(t->data) + t->nbytes) / page * page;
+      if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+    }
+  }
+  // The tied output is the embedding's view: let both see the packed rows.
+  if (weights_.token_embedding.data == weights_.output.data) weights_.token_embedding.packed = weights_.output.packed;
 }
 
 ChatTemplate Model::chat_template(std::string_view name, bool thinking) const {

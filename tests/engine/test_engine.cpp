@@ -5,6 +5,7 @@
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/engine.hpp"
+#include "qkvshare/kernels/packed_weights.hpp"
 #include "qkvshare/model/synthetic_model.hpp"
 #include "test_paths.hpp"
 
@@ -125,6 +126,39 @@ TEST(EngineFloatActivations, MatchTheExactReferenceOnQuantizedWeights) {
   EngineOptions both{2};
   both.exact_matmul = both.float_activations = true;
   EXPECT_THROW(Engine(*model, both), Error);
+}
+
+// Q4_0 matrices packed at load (kernels/packed_weights.hpp) change no bit:
+// a prompt's logits and the greedy tokens after it equal those of the same
+// file loaded with its rows as stored. The file's rows stay readable.
+TEST(EnginePackedWeights, SameLogitsAndTokensAsTheRowsAsStored) {
+  const std::string path = testing::temp_dir() + "/packed-tiny-llama-q4_0.gguf";
+  SyntheticOptions opt;
+  opt.type = GgmlType::Q4_0;
+  write_synthetic_model(find_synthetic_shape("tiny-llama"), opt, path);
+  kernels::set_weight_packing(false);
+  auto plain = Model::load(path);
+  kernels::set_weight_packing(true);
+  auto packed = Model::load(path);
+  EXPECT_EQ(plain->packed_bytes(), 0u);
+  if (packed->packed_bytes() == 0)
+    GTEST_SKIP() << "*** no kernel level on this CPU reads packed Q4_0 tiles (AVX-512 does): nothing to compare ***";
+  EXPECT_GT(packed->packed_bytes(), packed->weight_bytes() / 2);
+  const auto ids = packed->tokenizer().encode("The cat sat on the mat, and then the dog came in.");
+  const auto run = [&](const Model& m) {
+    Engine engine(m, EngineOptions{2});
+    auto session = engine.new_session(64);
+    const auto l = engine.forward(*session, ids, true);
+    std::vector<float> out(l.begin(), l.end());
+    for (int step = 0; step < 8; ++step) {
+      const auto next = static_cast<TokenId>(std::max_element(out.end() - m.config().vocab_size, out.end()) -
+                                             (out.end() - m.config().vocab_size));
+      const auto d = engine.forward(*session, std::vector<TokenId>{next});
+      out.insert(out.end(), d.begin(), d.end());
+    }
+    return out;
+  };
+  EXPECT_EQ(run(*plain), run(*packed));
 }
 
 }  // namespace

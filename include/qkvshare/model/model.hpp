@@ -95,6 +95,9 @@ class Model {
   ChatTemplate chat_template(std::string_view name = {}, bool thinking = true) const;
   // Bytes of weight data the forward pass reads per token.
   std::size_t weight_bytes() const noexcept;
+  // Bytes of the packed copies of matmul weights (kernels/packed_weights.hpp)
+  // made at load for the active kernel level; 0 when none.
+  std::size_t packed_bytes() const noexcept;
 
  private:
   Model();
@@ -102,6 +105,7 @@ class Model {
   static std::unique_ptr<Model> load_llama2c(const std::string& path, const std::string& tokenizer_path,
                                              MappedFile::Mode mode);
   void validate() const;
+  void pack_weights(MappedFile::Mode mode);
 
   std::string path_;
   std::string format_;
@@ -111,6 +115,11 @@ class Model {
   std::string chat_template_;
   std::unique_ptr<GgufFile> gguf_;
   MappedFile llama2c_file_;
+  struct FreeAligned {
+    void operator()(std::uint8_t* p) const noexcept;
+  };
+  std::vector<std::unique_ptr<std::uint8_t[], FreeAligned>> packed_;
+  std::size_t packed_bytes_ = 0;
 };
 
 }  // namespace qkvshare

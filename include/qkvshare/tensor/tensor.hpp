@@ -57,6 +57,9 @@ struct TensorView {
   std::array<std::int64_t, 4> ne{1, 1, 1, 1};  // ne[0] is the contiguous dimension
   const std::uint8_t* data = nullptr;
   std::size_t nbytes = 0;
+  // The same rows in the matmul kernels' packed tile layout
+  // (kernels/packed_weights.hpp), when the model made one; data stays valid.
+  const std::uint8_t* packed = nullptr;
 
   std::int64_t cols() const noexcept { return ne[0]; }
   std::int64_t rows() const noexcept { return ne[1] * ne[2] * ne[3]; }
