@@ -36,6 +36,8 @@ constinit const detail::KernelTable kAvx2 = QKVSHARE_ISA_TABLE(avx2);
 constinit const detail::KernelTable kAvx512 = [] {
   detail::KernelTable t = QKVSHARE_ISA_TABLE(avx512);
   t.gemm_q4_0_packed = detail::avx512::gemm_q4_0_packed;
+  t.gemm_q4_1_packed = detail::avx512::gemm_q4_1_packed;
+  t.gemm_q8_0_packed = detail::avx512::gemm_q8_0_packed;
   return t;
 }();
 #endif

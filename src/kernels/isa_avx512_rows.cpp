@@ -132,21 +132,48 @@ struct FQ4_0 {
   }
 };
 
-// Q4_0 rows packed by pack_rows (packed_weights.hpp): block b of a tile is
-// its 16 rows' scales (32 bytes), then the four code vectors already in
-// transpose16's order. The same Tile values as FQ4_0's, with no gather and
-// no shuffles, read from one run of bytes instead of 16 rows apart.
+// Rows packed by pack_tiles (packed_weights.hpp): block b of a tile is its
+// 16 rows' f16 scales (and Q4_1's minimums), then the code vectors already
+// in the order transpose16 / transpose32 give (Q8_0's offset to unsigned).
+// The same Tile values as the unpacked formats', with no gather and no
+// shuffles, read from one run of bytes instead of 16 rows apart.
+inline __m512 packed_f16(const std::uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void packed_nibbles(const std::uint8_t* codes, Tile& out) {
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i raw = _mm512_loadu_si512(codes + 64 * c);
+    out.w[c] = _mm512_and_si512(raw, lo4);
+    out.w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+  }
+}
+
 struct FQ4_0Packed {
   static constexpr bool kMin = false;
   [[gnu::always_inline]] static void decode(const RowTile& t, std::int64_t b, Tile& out) {
     const std::uint8_t* p = t.base + static_cast<std::size_t>(b) * kRows * sizeof(BlockQ4_0);
-    out.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const __m512i lo4 = _mm512_set1_epi8(0x0f);
-    for (int c = 0; c < 4; ++c) {
-      const __m512i raw = _mm512_loadu_si512(p + 2 * kRows + 64 * c);
-      out.w[c] = _mm512_and_si512(raw, lo4);
-      out.w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
-    }
+    out.d = packed_f16(p);
+    packed_nibbles(p + 2 * kRows, out);
+  }
+};
+
+struct FQ4_1Packed {
+  static constexpr bool kMin = true;
+  [[gnu::always_inline]] static void decode(const RowTile& t, std::int64_t b, Tile& out) {
+    const std::uint8_t* p = t.base + static_cast<std::size_t>(b) * kRows * sizeof(BlockQ4_1);
+    out.d = packed_f16(p);
+    out.m = packed_f16(p + 2 * kRows);
+    packed_nibbles(p + 4 * kRows, out);
+  }
+};
+
+struct FQ8_0Packed {
+  static constexpr bool kMin = false;
+  [[gnu::always_inline]] static void decode(const RowTile& t, std::int64_t b, Tile& out) {
+    const std::uint8_t* p = t.base + static_cast<std::size_t>(b) * kRows * sizeof(BlockQ8_0);
+    out.d = packed_f16(p);
+    for (int k = 0; k < 8; ++k) out.w[k] = _mm512_loadu_si512(p + 2 * kRows + 64 * k);
   }
 };
 
@@ -589,6 +616,8 @@ void gemm_q4_0(const GemmArgs& a) { gemm_rows<FQ4_0, sizeof(BlockQ4_0)>(a); }
 void gemm_q4_1(const GemmArgs& a) { gemm_rows<FQ4_1, sizeof(BlockQ4_1)>(a); }
 // a.w: the packed rows, a.n_rows a multiple of 16.
 void gemm_q4_0_packed(const GemmArgs& a) { gemm_rows<FQ4_0Packed, sizeof(BlockQ4_0)>(a); }
+void gemm_q4_1_packed(const GemmArgs& a) { gemm_rows<FQ4_1Packed, sizeof(BlockQ4_1)>(a); }
+void gemm_q8_0_packed(const GemmArgs& a) { gemm_rows<FQ8_0Packed, sizeof(BlockQ8_0)>(a); }
 void gemm_q4_k_rows(const GemmArgs& a) { gemm_k_rows<FK45Rows<BlockQ4_K, false>>(a); }
 void gemm_q5_k_rows(const GemmArgs& a) { gemm_k_rows<FK45Rows<BlockQ5_K, true>>(a); }
 

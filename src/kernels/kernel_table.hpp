@@ -100,8 +100,10 @@ struct KernelTable {
   GemmFn gemm_q5_k = nullptr;
   GemmFn gemm_iq4_nl = nullptr;
   GemmFn gemm_iq4_xs = nullptr;
-  // Q4_0 rows in packed 16-row tiles (packed_weights.hpp); only levels that read them.
+  // Rows in packed 16-row tiles (packed_weights.hpp); only levels that read them.
   GemmFn gemm_q4_0_packed = nullptr;
+  GemmFn gemm_q4_1_packed = nullptr;
+  GemmFn gemm_q8_0_packed = nullptr;
   QuantizeActFn quantize_act = nullptr;
   SiluMulFn silu_mul = nullptr;
   GeluMulFn gelu_mul = nullptr;
@@ -115,6 +117,8 @@ inline constexpr float kActFlush = 1e-30f;
 
 // The active table (isa.cpp): the one dispatch point.
 const KernelTable& kernels() noexcept;
+// The table's kernel of packed rows of type t (packed_weights.hpp), or null.
+GemmFn packed_gemm(const KernelTable& k, GgmlType t) noexcept;
 
 const KernelTable& portable_table() noexcept;
 
@@ -166,6 +170,8 @@ QKVSHARE_DECLARE_MORE_GEMMS
 namespace avx512 {
 QKVSHARE_DECLARE_ISA_KERNELS
 void gemm_q4_0_packed(const GemmArgs& a);
+void gemm_q4_1_packed(const GemmArgs& a);
+void gemm_q8_0_packed(const GemmArgs& a);
 }
 namespace neon {
 QKVSHARE_DECLARE_ISA_KERNELS

@@ -139,7 +139,13 @@ int activation_block(GgmlType type) noexcept {
 
 void dequantize_row(const TensorView& w, std::int64_t r, float* dst) {
   QKV_CHECK(r >= 0 && r < w.rows());
-  dequantize_row_ref(w.type, w.row(r), dst, w.cols());
+  if (w.packed == nullptr) return dequantize_row_ref(w.type, w.row(r), dst, w.cols());
+  // From the packed copy: the file's pages of a packed matrix were dropped,
+  // and a tied embedding's lookups would bring them back a fault-around at a time.
+  thread_local std::vector<std::uint8_t> row;
+  row.resize(w.row_bytes());
+  unpack_row(w, r, row.data());
+  dequantize_row_ref(w.type, row.data(), dst, w.cols());
 }
 
 void matmul_ref(const TensorView& w, const float* x, std::int64_t n_tokens, float* y) {
@@ -193,8 +199,8 @@ void matmul_multi(ThreadPool& pool, std::span<const MatmulOut> outs, const float
     a.ldy = w.rows();
     jobs[i].fn = gemm_for(k, w.type);
     jobs[i].kind = activation_kind(w.type);
-    if (w.packed != nullptr && w.type == GgmlType::Q4_0 && k.gemm_q4_0_packed != nullptr) {
-      jobs[i].packed_fn = k.gemm_q4_0_packed;
+    if (w.packed != nullptr && jobs[i].kind != kFloatActs) {
+      jobs[i].packed_fn = detail::packed_gemm(k, w.type);
       jobs[i].packed = w.packed;
     }
   }

@@ -33,35 +33,45 @@ void Model::FreeAligned::operator()(std::uint8_t* p) const noexcept { ::operator
 std::size_t Model::packed_bytes() const noexcept { return packed_bytes_; }
 
 // Each matmul weight the active kernels read faster packed gets a packed copy
-// (built on all cores), and its view points there; the file's pages of it
-// are then dropped from memory when they come from the page cache (they
-// come back from the file if anything reads the rows as stored, such as a
-// tied embedding's lookups or another kernel level).
+// (built on all cores), and its view points there. The file's pages of it are
+// dropped from memory as they are packed, when they come from the page cache
+// (they come back from the file if anything reads the rows as stored, such as
+// a tied embedding's lookups or another kernel level): the copy replaces
+// them, and at most a few chunks of both are resident at once.
 void Model::pack_weights(MappedFile::Mode mode) {
   std::vector<TensorView*> all{&weights_.output};
   for (LayerWeights& l : weights_.layers)
     for (TensorView* t : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) all.push_back(t);
-  const long page = ::sysconf(_SC_PAGESIZE);
+  const auto page = static_cast<std::uintptr_t>(std::max(0L, ::sysconf(_SC_PAGESIZE)));
+  const bool drop = mode == MappedFile::Mode::shared && page > 0;
+  const auto drop_pages = [page](const std::uint8_t* from, const std::uint8_t* to) {
+    const auto lo = (reinterpret_cast<std::uintptr_t>(from) + page - 1) / page * page;
+    const auto hi = reinterpret_cast<std::uintptr_t>(to) / page * page;
+    if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+  };
+  constexpr std::int64_t kChunkTiles = 64;
   const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
   for (TensorView* t : all) {
     if (!kernels::packs(*t)) continue;
     std::unique_ptr<std::uint8_t[], FreeAligned> buf(
         static_cast<std::uint8_t*>(::operator new[](t->nbytes, std::align_val_t{64})));
     const std::int64_t tiles = t->rows() / kernels::kPackedTileRows;
+    const std::size_t tile_bytes = static_cast<std::size_t>(kernels::kPackedTileRows) * t->row_bytes();
     std::vector<std::thread> threads;
     for (unsigned i = 0; i < n_threads; ++i)
       threads.emplace_back([&, i] {
-        kernels::pack_tiles(*t, tiles * i / n_threads, tiles * (i + 1) / n_threads, buf.get());
+        const std::int64_t end = tiles * (i + 1) / n_threads;
+        for (std::int64_t a = tiles * i / n_threads; a < end; a += kChunkTiles) {
+          const std::int64_t b = std::min(end, a + kChunkTiles);
+          kernels::pack_tiles(*t, a, b, buf.get());
+          if (drop) drop_pages(t->data + static_cast<std::size_t>(a) * tile_bytes, t->data + static_cast<std::size_t>(b) * tile_bytes);
+        }
       });
     for (std::thread& th : threads) th.join();
+    if (drop) drop_pages(t->data, t->data + t->nbytes);  // the pages the chunks' edges shared
     t->packed = buf.get();
     packed_bytes_ += t->nbytes;
     packed_.push_back(std::move(buf));
-    if (mode == MappedFile::Mode::shared && page > 0) {
-      const auto lo = (reinterpret_cast<std::uintptr_t>(t->data) + page - 1) / page * page;
-      const auto hi = (reinterpret_cast<std::uintptr_t>(t->data) + t->nbytes) / page * page;
-      if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
-    }
   }
   // The tied output is the embedding's view: let both see the packed rows.
   if (weights_.token_embedding.data == weights_.output.data) weights_.token_embedding.packed = weights_.output.packed;

@@ -128,13 +128,15 @@ TEST(EngineFloatActivations, MatchTheExactReferenceOnQuantizedWeights) {
   EXPECT_THROW(Engine(*model, both), Error);
 }
 
-// Q4_0 matrices packed at load (kernels/packed_weights.hpp) change no bit:
-// a prompt's logits and the greedy tokens after it equal those of the same
-// file loaded with its rows as stored. The file's rows stay readable.
-TEST(EnginePackedWeights, SameLogitsAndTokensAsTheRowsAsStored) {
-  const std::string path = testing::temp_dir() + "/packed-tiny-llama-q4_0.gguf";
+// Matrices packed at load (kernels/packed_weights.hpp) change no bit: a
+// prompt's logits and the greedy tokens after it equal those of the same file
+// loaded with its rows as stored. The file's rows stay readable.
+class EnginePackedWeights : public ::testing::TestWithParam<GgmlType> {};
+
+TEST_P(EnginePackedWeights, SameLogitsAndTokensAsTheRowsAsStored) {
+  const std::string path = testing::temp_dir() + "/packed-tiny-llama-" + std::string(type_name(GetParam())) + ".gguf";
   SyntheticOptions opt;
-  opt.type = GgmlType::Q4_0;
+  opt.type = GetParam();
   write_synthetic_model(find_synthetic_shape("tiny-llama"), opt, path);
   kernels::set_weight_packing(false);
   auto plain = Model::load(path);
@@ -142,7 +144,7 @@ TEST(EnginePackedWeights, SameLogitsAndTokensAsTheRowsAsStored) {
   auto packed = Model::load(path);
   EXPECT_EQ(plain->packed_bytes(), 0u);
   if (packed->packed_bytes() == 0)
-    GTEST_SKIP() << "*** no kernel level on this CPU reads packed Q4_0 tiles (AVX-512 does): nothing to compare ***";
+    GTEST_SKIP() << "*** no kernel level on this CPU reads packed tiles (AVX-512 does): nothing to compare ***";
   EXPECT_GT(packed->packed_bytes(), packed->weight_bytes() / 2);
   const auto ids = packed->tokenizer().encode("The cat sat on the mat, and then the dog came in.");
   const auto run = [&](const Model& m) {
@@ -160,6 +162,9 @@ TEST(EnginePackedWeights, SameLogitsAndTokensAsTheRowsAsStored) {
   };
   EXPECT_EQ(run(*plain), run(*packed));
 }
+
+INSTANTIATE_TEST_SUITE_P(Types, EnginePackedWeights, ::testing::Values(GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0),
+                         [](const auto& p) { return std::string(type_name(p.param)); });
 
 }  // namespace
 }  // namespace qkvshare
