@@ -13,7 +13,7 @@
 
 namespace qkvshare {
 
-MappedFile::MappedFile(const std::string& path, Mode mode) : path_(path) {
+MappedFile::MappedFile(const std::string& path, Mode mode) : path_(path), mode_(mode) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(ErrorCode::io, "{}: cannot open: {}", path, std::strerror(errno));
   struct stat st {};
@@ -62,7 +62,7 @@ MappedFile::~MappedFile() { reset(); }
 
 MappedFile::MappedFile(MappedFile&& other) noexcept
     : path_(std::move(other.path_)), data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+      size_(std::exchange(other.size_, 0)), mode_(other.mode_) {}
 
 MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
   if (this != &other) {
@@ -70,8 +70,27 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
     path_ = std::move(other.path_);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    mode_ = other.mode_;
   }
   return *this;
+}
+
+void MappedFile::release(const std::uint8_t* from, const std::uint8_t* to) const noexcept {
+  const long page_size = ::sysconf(_SC_PAGESIZE);
+  if (page_size <= 0 || data_ == nullptr || from < data_ || to > data_ + size_) return;
+  const auto page = static_cast<std::uintptr_t>(page_size);
+  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(data_);  // page-aligned: mmap's
+  const std::uintptr_t lo = (reinterpret_cast<std::uintptr_t>(from) + page - 1) / page * page;
+  const std::uintptr_t hi = reinterpret_cast<std::uintptr_t>(to) / page * page;
+  if (hi <= lo) return;
+  if (mode_ == Mode::shared) {
+    ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+    return;
+  }
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::mmap(reinterpret_cast<void*>(lo), hi - lo, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, static_cast<off_t>(lo - base));
+  ::close(fd);
 }
 
 void MappedFile::reset() noexcept {

@@ -1,8 +1,5 @@
 #include "qkvshare/model/model.hpp"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <new>
@@ -24,7 +21,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::string& t
   probe = MappedFile();
   std::unique_ptr<Model> model = is_gguf ? load_gguf(path, mode) : load_llama2c(path, tokenizer_path, mode);
   model->validate();
-  model->pack_weights(mode);
+  model->pack_weights();
   return model;
 }
 
@@ -34,21 +31,15 @@ std::size_t Model::packed_bytes() const noexcept { return packed_bytes_; }
 
 // Each matmul weight the active kernels read faster packed gets a packed copy
 // (built on all cores), and its view points there. The file's pages of it are
-// dropped from memory as they are packed, when they come from the page cache
-// (they come back from the file if anything reads the rows as stored, such as
-// a tied embedding's lookups or another kernel level): the copy replaces
-// them, and at most a few chunks of both are resident at once.
-void Model::pack_weights(MappedFile::Mode mode) {
+// released as they are packed (MappedFile::release: they read the same if
+// anything still reads the rows as stored, such as another kernel level or
+// --float-activations): the copy replaces them, and at most a few chunks of
+// both are resident at once, in either mapping mode.
+void Model::pack_weights() {
   std::vector<TensorView*> all{&weights_.output};
   for (LayerWeights& l : weights_.layers)
     for (TensorView* t : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) all.push_back(t);
-  const auto page = static_cast<std::uintptr_t>(std::max(0L, ::sysconf(_SC_PAGESIZE)));
-  const bool drop = mode == MappedFile::Mode::shared && page > 0;
-  const auto drop_pages = [page](const std::uint8_t* from, const std::uint8_t* to) {
-    const auto lo = (reinterpret_cast<std::uintptr_t>(from) + page - 1) / page * page;
-    const auto hi = reinterpret_cast<std::uintptr_t>(to) / page * page;
-    if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
-  };
+  const MappedFile& file = gguf_ ? gguf_->file() : llama2c_file_;
   constexpr std::int64_t kChunkTiles = 64;
   const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
   for (TensorView* t : all) {
@@ -64,11 +55,11 @@ void Model::pack_weights(MappedFile::Mode mode) {
         for (std::int64_t a = tiles * i / n_threads; a < end; a += kChunkTiles) {
           const std::int64_t b = std::min(end, a + kChunkTiles);
           kernels::pack_tiles(*t, a, b, buf.get());
-          if (drop) drop_pages(t->data + static_cast<std::size_t>(a) * tile_bytes, t->data + static_cast<std::size_t>(b) * tile_bytes);
+          file.release(t->data + static_cast<std::size_t>(a) * tile_bytes, t->data + static_cast<std::size_t>(b) * tile_bytes);
         }
       });
     for (std::thread& th : threads) th.join();
-    if (drop) drop_pages(t->data, t->data + t->nbytes);  // the pages the chunks' edges shared
+    file.release(t->data, t->data + t->nbytes);  // the pages the chunks' edges shared
     t->packed = buf.get();
     packed_bytes_ += t->nbytes;
     packed_.push_back(std::move(buf));

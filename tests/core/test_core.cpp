@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
 #include <fstream>
 #include <numeric>
 #include <set>
@@ -83,6 +84,25 @@ TEST(MappedFile, EmptyFileAndMove) {
   EXPECT_EQ(f.size(), 0u);
   MappedFile g = std::move(f);
   EXPECT_EQ(g.path(), path);
+}
+
+// Released pages read the same afterwards, in both modes, and a range that
+// is not inside the file, or holds no whole page, is left alone.
+TEST(MappedFile, ReleasedPagesReadTheSame) {
+  const std::string path = testing::temp_dir() + "/release.bin";
+  std::string content(5 * 4096 + 123, '\0');
+  for (std::size_t i = 0; i < content.size(); ++i) content[i] = static_cast<char>((i * 131) % 251);
+  std::ofstream(path, std::ios::binary) << content;
+  for (const auto mode : {MappedFile::Mode::shared, MappedFile::Mode::private_copy}) {
+    MappedFile f(path, mode);
+    f.release(f.data() + 100, f.data() + 4 * 4096 + 7);  // pages 1-3 whole
+    f.release(f.data(), f.data() + 10);                   // no whole page
+    f.release(f.data() + 4096, f.data() + f.size() + 4096);  // past the end: refused
+    ASSERT_EQ(f.size(), content.size());
+    EXPECT_EQ(0, std::memcmp(f.data(), content.data(), content.size())) << static_cast<int>(mode);
+    f.release(f.data(), f.data() + f.size());
+    EXPECT_EQ(0, std::memcmp(f.data(), content.data(), content.size())) << static_cast<int>(mode);
+  }
 }
 
 TEST(Error, CarriesCodeAndMessage) {

@@ -30,11 +30,19 @@ class MappedFile {
   std::span<const std::uint8_t> bytes() const noexcept { return {data_, size_}; }
   const std::string& path() const noexcept { return path_; }
 
+  // Drops the whole pages inside [from, to) (a range of bytes()) from this
+  // process's memory; reading them afterwards gives the same bytes, from the
+  // file (shared: the page cache again; private_copy: the range becomes a
+  // mapping of the file). For data used through another copy, such as packed
+  // weights. Best effort: where the system refuses, the pages stay.
+  void release(const std::uint8_t* from, const std::uint8_t* to) const noexcept;
+
  private:
   void reset() noexcept;
   std::string path_;
   const std::uint8_t* data_ = nullptr;
   std::size_t size_ = 0;
+  Mode mode_ = Mode::shared;
 };
 
 }  // namespace qkvshare

@@ -105,7 +105,7 @@ class Model {
   static std::unique_ptr<Model> load_llama2c(const std::string& path, const std::string& tokenizer_path,
                                              MappedFile::Mode mode);
   void validate() const;
-  void pack_weights(MappedFile::Mode mode);
+  void pack_weights();
 
   std::string path_;
   std::string format_;
