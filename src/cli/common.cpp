@@ -27,7 +27,7 @@ void add_model_args(CLI::App& cmd, ModelArgs& args) {
                "Float activations on the SIMD kernels (weights dequantized to f32 once, 4 bytes per weight): no 8-bit "
                "activation rounding, for quality measurements below its noise");
   cmd.add_flag("--unpacked-weights", args.unpacked_weights,
-               "Q4_0 matrices are multiplied as the file stores them, instead of from a copy packed at load into the "
+               "Q4_0, Q4_1 and Q8_0 matrices are multiplied as the file stores them, instead of from a copy packed at load into the "
                "kernels' 16-row tiles (the earlier behaviour; to measure both ways)");
   cmd.add_flag("--kv-decode-tiles", args.kv_decode_tiles,
                "Attention decodes each integer KV tile to f32 before reading it, instead of computing on its codes "

@@ -21,6 +21,9 @@ namespace {
 
 // Shorter runs of another context are prefilled: a splice costs its guard's 8-token probe.
 constexpr int kMinAutoSplice = 32;
+// A job waits for a running one to feed the prompt prefix they share when it
+// would save at least this many tokens over what the index already holds.
+constexpr int kMinSharedPrefix = 16;
 
 using Clock = std::chrono::steady_clock;
 
@@ -34,6 +37,10 @@ struct Choice {
 
 struct Running {
   std::shared_ptr<Job> job;
+  // Admitted but not begun: a running job is still feeding the prompt prefix
+  // this one shares with it (concurrent agents resending one transcript).
+  bool waiting = true, waited = false;
+  std::optional<std::uint64_t> checkpoint;  // its fed prompt, sealed for the jobs that waited on it
   std::unique_ptr<Session> prefix;  // n > 1: the session the prompt is fed into, then forked
   RequestId prefill_id = 0;
   bool prefill_live = false;
@@ -42,9 +49,14 @@ struct Running {
   bool cancel_sent = false, emitted = false, first_token = false;
   int retries = 0;
   bool live() const {
-    return prefill_live || std::any_of(choices.begin(), choices.end(), [](const Choice& c) { return c.live; });
+    return waiting || prefill_live || std::any_of(choices.begin(), choices.end(), [](const Choice& c) { return c.live; });
   }
 };
+
+std::size_t common_prefix(std::span<const TokenId> a, std::span<const TokenId> b) {
+  return static_cast<std::size_t>(std::mismatch(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(std::min(a.size(), b.size())),
+                                                b.begin()).first - a.begin());
+}
 
 const char* finish_reason(StopReason r) {
   return r == StopReason::end_of_generation || r == StopReason::stop_string ? "stop" : "length";
@@ -125,16 +137,21 @@ class BatchedScheduler final : public Scheduler {
       for (auto& job : admitted) {
         running_.emplace_back();
         running_.back().job = std::move(job);
-        begin(running_.back());
       }
+      start_waiting();
       for (Running& r : running_)
-        if (r.job->cancelled && !r.cancel_sent) {
+        if (r.waiting && r.job->cancelled) {
+          metrics_.add("qkvshare_requests_cancelled_total", "");
+          r.waiting = false;
+          r.error = std::make_exception_ptr(ApiError(499, "cancelled", "", "the client closed the connection"));
+        } else if (r.job->cancelled && !r.cancel_sent) {
           metrics_.add("qkvshare_requests_cancelled_total", "");
           cancel(r, std::make_exception_ptr(ApiError(499, "cancelled", "", "the client closed the connection")));
         }
       metrics_.set("qkvshare_queue_depth", "", queue_depth());
       metrics_.set("qkvshare_sessions_active", "", static_cast<double>(running_.size()));
       steps_.step();
+      start_waiting();
       for (RequestResult& res : steps_.take_finished()) finished(res);
       for (auto it = running_.begin(); it != running_.end();) {
         if (it->live()) {
@@ -146,6 +163,7 @@ class BatchedScheduler final : public Scheduler {
           it->prefix.reset();
           fail_job(*it->job, it->error);
         }
+        release_checkpoint(*it);
         it = running_.erase(it);
       }
       {
@@ -154,6 +172,75 @@ class BatchedScheduler final : public Scheduler {
       }
       if (const int n = store_.evict_over_budget(); n > 0) metrics_.add("qkvshare_contexts_evicted_total", "", n);
     }
+  }
+
+  // Jobs that can feed a prompt prefix for others: one engine request on a session of their own.
+  static bool feeds_prefix(const Running& r) {
+    return !r.waiting && r.job->n == 1 && r.job->auto_reuse && !r.job->base && !r.error && r.choices.size() == 1 &&
+           r.choices[0].live && r.choices[0].session;
+  }
+
+  // The running job whose prompt shares the longest prefix with `j`'s, when
+  // that prefix is at least kMinSharedPrefix tokens longer than what the
+  // index holds; nullptr otherwise. Concurrent agents resend one transcript:
+  // the first computes its new part, the others fork it.
+  Running* prefix_source(const Running& j) {
+    const Job& job = *j.job;
+    if (!job.auto_reuse || job.base) return nullptr;
+    Running* best = nullptr;
+    std::size_t best_len = 0;
+    for (Running& r : running_) {
+      if (&r == &j || r.checkpoint || !feeds_prefix(r) || r.job->tenant != job.tenant || !(r.job->format == job.format))
+        continue;
+      const std::size_t n = common_prefix(job.prompt, r.job->prompt);
+      if (n > best_len) best = &r, best_len = n;
+    }
+    if (best == nullptr) return nullptr;
+    const int indexed = store_.lookup(job.tenant, job.format, job.prompt).tokens;
+    return static_cast<int>(best_len) >= indexed + kMinSharedPrefix ? best : nullptr;
+  }
+
+  // Begins, in arrival order, every admitted job whose shared prefix no
+  // running job is still feeding; a source that has fed its prompt (its first
+  // token is out) first seals a copy of its KV, indexed, for them to fork.
+  void start_waiting() {
+    for (Running& r : running_) {
+      if (!r.waiting || r.job->cancelled) continue;
+      if (Running* src = prefix_source(r)) {
+        if (!src->first_token) {
+          if (!r.waited) metrics_.add("qkvshare_prefix_waits_total", "");
+          r.waited = true;
+          continue;
+        }
+        checkpoint(*src);
+      }
+      r.waiting = false;
+      begin(r);
+    }
+  }
+
+  void checkpoint(Running& r) {
+    Session& session = *r.choices[0].session;
+    auto& cache = dynamic_cast<PooledKvCache&>(session.cache());
+    if (cache.size() != session.n_past()) return;
+    try {
+      const Session copy(cache.fork(), session.tokens());
+      r.checkpoint = store_.add(r.job->tenant, copy, {}, true).id;
+      metrics_.add("qkvshare_prompt_checkpoints_total", "");
+    } catch (const Error&) {
+      // pool or records full: the jobs waiting on it begin without it
+    }
+  }
+
+  // The checkpoint is a prefix of the job's own context (sealed at its end), or of nothing if it failed.
+  void release_checkpoint(Running& r) {
+    if (!r.checkpoint) return;
+    try {
+      store_.release(r.job->tenant, *r.checkpoint);
+    } catch (const ApiError&) {
+      // evicted meanwhile
+    }
+    r.checkpoint.reset();
   }
 
   // Where the job's KV comes from (a named context, the index, or nothing), then its engine requests.

@@ -86,6 +86,8 @@ void register_metrics(Metrics& m) {
   m.counter("qkvshare_tokens_reused_total", "prompt tokens taken from a sealed context's KV, by mode and source");
   m.counter("qkvshare_tokens_decoded_total", "tokens generated");
   m.counter("qkvshare_requests_cancelled_total", "completions ended because the client went away");
+  m.counter("qkvshare_prefix_waits_total", "requests that waited for a running request to feed the prompt prefix they share");
+  m.counter("qkvshare_prompt_checkpoints_total", "copies of a fed prompt's KV sealed for the requests that share its prefix");
   m.counter("qkvshare_contexts_evicted_total", "cached contexts evicted (LRU) for the budget or a full pool");
   m.counter("qkvshare_pool_exhausted_total", "requests refused with 503: the pool was full and nothing was evictable");
   m.counter("qkvshare_handoff_opens_total", "descriptor opens in the pool by path (kv or a text fallback and why)");

@@ -1,4 +1,5 @@
 """Every endpoint through the `openai` client (PyPI) and curl, streaming and not."""
+import concurrent.futures as cf
 import json
 import subprocess
 import sys
@@ -212,3 +213,28 @@ def test_ignore_eos_runs_a_reply_to_max_tokens(make_server):
     full = c.chat.completions.create(**kw)
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 64
     assert full.choices[0].message.content.startswith(ended.choices[0].message.content)
+
+
+def test_concurrent_prompts_sharing_a_prefix_compute_it_once(make_server):
+    """Agents resending one transcript at the same time: the first computes
+    it, the others wait for it (or find it fed already) and fork its KV."""
+    s = make_server("--kv", "f32", "--parallel", "4")
+    c = client(s)
+    story = " ".join(["Lily and Ben went to the park. They played with a red ball under a big tree."] * 8)
+
+    def ask(i):
+        return c.chat.completions.create(model="stories260K", max_tokens=200, temperature=0,
+                                         messages=[{"role": "user", "content": story},
+                                                   {"role": "user", "content": f"Agent {i}: what happened next?"}],
+                                         extra_body={"ignore_eos": True})
+    with cf.ThreadPoolExecutor(4) as ex:
+        rs = list(ex.map(ask, range(4)))
+    prompt = rs[0].usage.prompt_tokens
+    assert prompt > 150 and all(r.usage.prompt_tokens == prompt for r in rs)
+    computed = sorted(r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens for r in rs)
+    # One computes the whole prompt; each of the others at most its own question (about 10
+    # tokens) plus the block the shared prefix ends in (32 tokens: a block is not cut).
+    assert computed[-1] == prompt and all(n <= 48 for n in computed[:-1]), computed
+    s.wait_idle()
+    # The checkpoints are released with their jobs: only the four replies' contexts remain.
+    assert len(httpx.get(s.url + "/v1/contexts").json()["data"]) == 4
