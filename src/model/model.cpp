@@ -42,6 +42,13 @@ void Model::pack_weights() {
   const MappedFile& file = gguf_ ? gguf_->file() : llama2c_file_;
   constexpr std::int64_t kChunkTiles = 64;
   const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
+  if (std::none_of(all.begin(), all.end(), [](const TensorView* t) { return kernels::packs(*t); })) return;
+  copy_small_tensors();  // first: reading them later would map their neighbours' pages again
+  // A fault maps the whole page-cache folio around it (up to 2 MiB, across
+  // tensor boundaries), so packing one matrix maps pages of the neighbours
+  // already packed and released: those are released again after each matrix.
+  constexpr std::ptrdiff_t kFolioReach = 4 << 20;
+  std::vector<const TensorView*> done;
   for (TensorView* t : all) {
     if (!kernels::packs(*t)) continue;
     std::unique_ptr<std::uint8_t[], FreeAligned> buf(
@@ -60,12 +67,42 @@ void Model::pack_weights() {
       });
     for (std::thread& th : threads) th.join();
     file.release(t->data, t->data + t->nbytes);  // the pages the chunks' edges shared
+    for (const TensorView* d : done)
+      if (d->data + d->nbytes + kFolioReach > t->data && t->data + t->nbytes + kFolioReach > d->data)
+        file.release(d->data, d->data + d->nbytes);
+    done.push_back(t);
     t->packed = buf.get();
     packed_bytes_ += t->nbytes;
     packed_.push_back(std::move(buf));
   }
   // The tied output is the embedding's view: let both see the packed rows.
   if (weights_.token_embedding.data == weights_.output.data) weights_.token_embedding.packed = weights_.output.packed;
+}
+
+// Once the matrices are packed, the forward pass reads the file only for the
+// small tensors (norms, biases). Those sit between the matrices in the file,
+// and a fault on one maps the whole page-cache folio around it: the released
+// rows of its neighbours would come back into the process's RSS. Copied, the
+// file is not touched after load (but for rows of an untied embedding).
+void Model::copy_small_tensors() {
+  constexpr std::size_t kSmall = 1 << 20;
+  const MappedFile& file = gguf_ ? gguf_->file() : llama2c_file_;
+  const auto own = [&](TensorView& t) {
+    if (t.packed != nullptr || t.data == nullptr || t.nbytes == 0 || t.nbytes > kSmall) return;
+    std::unique_ptr<std::uint8_t[], FreeAligned> buf(
+        static_cast<std::uint8_t*>(::operator new[](t.nbytes, std::align_val_t{64})));
+    std::memcpy(buf.get(), t.data, t.nbytes);
+    file.release(t.data, t.data + t.nbytes);
+    t.data = buf.get();
+    packed_.push_back(std::move(buf));
+  };
+  own(weights_.output_norm);
+  for (LayerWeights& l : weights_.layers) {
+    own(l.attn_norm);
+    own(l.ffn_norm);
+    for (std::optional<TensorView>* t : {&l.bq, &l.bk, &l.bv, &l.q_norm, &l.k_norm, &l.attn_post_norm, &l.ffn_post_norm})
+      if (t->has_value()) own(**t);
+  }
 }
 
 ChatTemplate Model::chat_template(std::string_view name, bool thinking) const {

@@ -106,6 +106,7 @@ class Model {
                                              MappedFile::Mode mode);
   void validate() const;
   void pack_weights();
+  void copy_small_tensors();
 
   std::string path_;
   std::string format_;
