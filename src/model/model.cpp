@@ -29,6 +29,8 @@ void Model::FreeAligned::operator()(std::uint8_t* p) const noexcept { ::operator
 
 std::size_t Model::packed_bytes() const noexcept { return packed_bytes_; }
 
+const MappedFile& Model::weights_file() const noexcept { return gguf_ ? gguf_->file() : llama2c_file_; }
+
 // Each matmul weight the active kernels read faster packed gets a packed copy
 // (built on all cores), and its view points there. The file's pages of it are
 // released as they are packed (MappedFile::release: they read the same if
@@ -39,7 +41,7 @@ void Model::pack_weights() {
   std::vector<TensorView*> all{&weights_.output};
   for (LayerWeights& l : weights_.layers)
     for (TensorView* t : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) all.push_back(t);
-  const MappedFile& file = gguf_ ? gguf_->file() : llama2c_file_;
+  const MappedFile& file = weights_file();
   constexpr std::int64_t kChunkTiles = 64;
   const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
   if (std::none_of(all.begin(), all.end(), [](const TensorView* t) { return kernels::packs(*t); })) return;
@@ -73,7 +75,7 @@ void Model::pack_weights() {
     done.push_back(t);
     t->packed = buf.get();
     packed_bytes_ += t->nbytes;
-    packed_.push_back(std::move(buf));
+    owned_.push_back(std::move(buf));
   }
   // The tied output is the embedding's view: let both see the packed rows.
   if (weights_.token_embedding.data == weights_.output.data) weights_.token_embedding.packed = weights_.output.packed;
@@ -86,7 +88,7 @@ void Model::pack_weights() {
 // file is not touched after load (but for rows of an untied embedding).
 void Model::copy_small_tensors() {
   constexpr std::size_t kSmall = 1 << 20;
-  const MappedFile& file = gguf_ ? gguf_->file() : llama2c_file_;
+  const MappedFile& file = weights_file();
   const auto own = [&](TensorView& t) {
     if (t.packed != nullptr || t.data == nullptr || t.nbytes == 0 || t.nbytes > kSmall) return;
     std::unique_ptr<std::uint8_t[], FreeAligned> buf(
@@ -94,7 +96,7 @@ void Model::copy_small_tensors() {
     std::memcpy(buf.get(), t.data, t.nbytes);
     file.release(t.data, t.data + t.nbytes);
     t.data = buf.get();
-    packed_.push_back(std::move(buf));
+    owned_.push_back(std::move(buf));
   };
   own(weights_.output_norm);
   for (LayerWeights& l : weights_.layers) {

@@ -140,13 +140,15 @@ class BatchedScheduler final : public Scheduler {
       }
       start_waiting();
       for (Running& r : running_)
-        if (r.waiting && r.job->cancelled) {
+        if (r.job->cancelled && (r.waiting || !r.cancel_sent)) {
           metrics_.add("qkvshare_requests_cancelled_total", "");
-          r.waiting = false;
-          r.error = std::make_exception_ptr(ApiError(499, "cancelled", "", "the client closed the connection"));
-        } else if (r.job->cancelled && !r.cancel_sent) {
-          metrics_.add("qkvshare_requests_cancelled_total", "");
-          cancel(r, std::make_exception_ptr(ApiError(499, "cancelled", "", "the client closed the connection")));
+          auto gone = std::make_exception_ptr(ApiError(499, "cancelled", "", "the client closed the connection"));
+          if (r.waiting) {  // never begun: nothing to stop in the engine
+            r.waiting = false;
+            r.error = std::move(gone);
+          } else {
+            cancel(r, std::move(gone));
+          }
         }
       metrics_.set("qkvshare_queue_depth", "", queue_depth());
       metrics_.set("qkvshare_sessions_active", "", static_cast<double>(running_.size()));

@@ -107,6 +107,7 @@ class Model {
   void validate() const;
   void pack_weights();
   void copy_small_tensors();
+  const MappedFile& weights_file() const noexcept;  // the file the weight views point into
 
   std::string path_;
   std::string format_;
@@ -119,7 +120,8 @@ class Model {
   struct FreeAligned {
     void operator()(std::uint8_t* p) const noexcept;
   };
-  std::vector<std::unique_ptr<std::uint8_t[], FreeAligned>> packed_;
+  // Copies of weights made at load (packed matrices, small tensors): the views point into them.
+  std::vector<std::unique_ptr<std::uint8_t[], FreeAligned>> owned_;
   std::size_t packed_bytes_ = 0;
 };
 
