@@ -27,7 +27,7 @@ namespace {
     .tiles = {detail::ns::tile_decode, detail::ns::tile_scores, detail::ns::tile_weighted_sum,                     \
               detail::ns::tile_exp_sum, detail::ns::tile_query_codes, detail::ns::tile_code_scores,               \
               detail::ns::tile_code_sum, detail::ns::tile_rope, detail::ns::tile_fit,                  \
-              detail::ns::tile_encode_f16},                                                                        \
+              detail::ns::tile_encode_f16, detail::ns::tile_max},                                                                        \
   }
 #endif
 // Constant-initialised, so that reading a table runs no code of its level.

@@ -21,6 +21,7 @@ void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, 
   detail::tile_weighted_sum<Vec>(o, p, rows, n_rows, head_dim);
 }
 float tile_exp_sum(float* x, int n, float max) { return detail::tile_exp_sum<Vec>(x, n, max); }
+float tile_max(const float* x, int n, float m) { return detail::tile_max<Vec>(x, n, m); }
 void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t step, RopeStyle style) {
   if ((head_dim / 2) % Vec::N != 0) return avx2::tile_rope(rows, n_rows, head_dim, table, step, style);
   detail::tile_rope<Vec>(rows, n_rows, head_dim, table, step, style);
@@ -33,14 +34,14 @@ void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax,
 }
 void tile_encode_f16(const float* x, std::size_t n, std::uint16_t* out) { detail::tile_encode_f16<Vec>(x, n, out); }
 // The code kernels take 32 channels at a time (2 x 16 lanes of int16), 64
-// for 4-bit keys (4 x 16 bytes).
+// for 4- and 2-bit keys (4 x 16 bytes).
 void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
                       void* qc, float* ab) {
   detail::tile_query_codes<VecCodes>(t, tile, q, nq, score_scale, qc, ab);
 }
 void tile_code_scores(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc, const float* ab,
                       int nq, float* s, std::size_t s_stride) {
-  if (t.head_dim % (2 * Vec::N) != 0 || (t.bits == 4 && t.head_dim % (4 * Vec::N) != 0))
+  if (t.head_dim % (2 * Vec::N) != 0 || (byte_query_codes(t.bits) && t.head_dim % (4 * Vec::N) != 0))
     return avx2::tile_code_scores(t, tile, lo, hi, qc, ab, nq, s, s_stride);
   detail::tile_code_scores<VecCodes>(t, tile, lo, hi, qc, ab, nq, s, s_stride);
 }

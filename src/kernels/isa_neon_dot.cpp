@@ -24,6 +24,7 @@ void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, 
   neon::tile_weighted_sum(o, p, rows, n_rows, head_dim);
 }
 float tile_exp_sum(float* x, int n, float max) { return neon::tile_exp_sum(x, n, max); }
+float tile_max(const float* x, int n, float m) { return neon::tile_max(x, n, m); }
 void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t step, RopeStyle style) {
   neon::tile_rope(rows, n_rows, head_dim, table, step, style);
 }

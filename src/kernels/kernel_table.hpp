@@ -150,6 +150,7 @@ const KernelTable& portable_table() noexcept;
   float tile_scores(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);      \
   void tile_weighted_sum(float* o, const float* p, const float* rows, int n_rows, int head_dim);              \
   float tile_exp_sum(float* x, int n, float max);                                                             \
+  float tile_max(const float* x, int n, float m);                                                             \
   void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,  \
                         void* qc, float* ab);                                                        \
   void tile_code_scores(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc,     \

@@ -62,7 +62,7 @@ void tile_query_codes(const TileCodes& t, const std::byte* tile, const float* q,
     const std::size_t at = static_cast<std::size_t>(i) * D;
     const float m = V::hmax(mx);
     const int qmax = query_code_max(t.bits, D);
-    const float step = t.bits == 4 ? round_codes_to<V>(qs, D, m, qmax, static_cast<std::int8_t*>(qc) + at)
+    const float step = byte_query_codes(t.bits) ? round_codes_to<V>(qs, D, m, qmax, static_cast<std::int8_t*>(qc) + at)
                                    : round_codes_to<V>(qs, D, m, qmax, static_cast<std::int16_t*>(qc) + at);
     ab[2 * i] = score_scale * step;
     ab[2 * i + 1] = score_scale * V::hsum(bias);
@@ -232,11 +232,18 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
   }
 }
 
-// 4-bit keys on bytes: rows in groups of 4 kRows8, row j0 + 4L + k in lane L
-// of register k, so that one reduce4 gives the group's scores in row order.
-template <class V>
-void tile_code_scores_q4(const TileCodes& t, const std::byte* tile, int lo, int hi, const std::int8_t* qc,
-                         const float* ab, int nq, float* s, std::size_t s_stride) {
+// 4-N channels of a row of 4- or 2-bit codes as centred bytes (row4 / row2).
+template <class V, int Bits>
+typename V::W8 byte_codes(const std::byte* row, int c) {
+  if constexpr (Bits == 4) return V::row4(row, c);
+  else return V::row2(row, c);
+}
+
+// 4- and 2-bit keys on bytes: rows in groups of 4 kRows8, row j0 + 4L + k in
+// lane L of register k, so that one reduce4 gives the group's scores in row order.
+template <class V, int Bits>
+void tile_code_scores_bytes(const TileCodes& t, const std::byte* tile, int lo, int hi, const std::int8_t* qc,
+                            const float* ab, int nq, float* s, std::size_t s_stride) {
   using I = typename V::I;
   using W8 = typename V::W8;
   constexpr int R = V::kRows8, GR = 4 * R, CH = 4 * V::N;  // rows per group, channels per register
@@ -248,7 +255,7 @@ void tile_code_scores_q4(const TileCodes& t, const std::byte* tile, int lo, int 
     const int nr = hi - j0 < GR ? hi - j0 : GR;
     const std::byte* rows = tile + static_cast<std::size_t>(j0) * t.row_bytes;
     if (nr < GR) {
-      __builtin_memset(pad, 0x88, sizeof pad);  // code 8: centred 0
+      __builtin_memset(pad, Bits == 4 ? 0x88 : 0xaa, sizeof pad);  // every code centred 0
       __builtin_memcpy(pad, rows, static_cast<std::size_t>(nr) * t.row_bytes);
       rows = pad;
     }
@@ -256,7 +263,7 @@ void tile_code_scores_q4(const TileCodes& t, const std::byte* tile, int lo, int 
       for (int c = 0; c < D; c += CH) {
         W8 r[R];
 #pragma GCC unroll 4
-        for (int L = 0; L < R; ++L) r[L] = V::row4(rows + static_cast<std::size_t>(4 * L + k) * t.row_bytes, c);
+        for (int L = 0; L < R; ++L) r[L] = byte_codes<V, Bits>(rows + static_cast<std::size_t>(4 * L + k) * t.row_bytes, c);
         V::transpose8(r);
 #pragma GCC unroll 4
         for (int L = 0; L < R; ++L)
@@ -302,13 +309,14 @@ template <class V>
 void tile_code_scores(const TileCodes& t, const std::byte* tile, int lo, int hi, const void* qc, const float* ab,
                       int nq, float* s, std::size_t s_stride) {
   const auto* q16 = static_cast<const std::int16_t*>(qc);
+  const auto* q8 = static_cast<const std::int8_t*>(qc);
   // A head narrower than the level's byte register: the reference does it.
-  if (t.bits == 4 && t.head_dim % (4 * V::N) != 0) return code_scores_ref(t, tile, lo, hi, qc, ab, nq, s, s_stride);
+  if (byte_query_codes(t.bits) && t.head_dim % (4 * V::N) != 0) return code_scores_ref(t, tile, lo, hi, qc, ab, nq, s, s_stride);
   switch (t.bits) {
     case 8: return tile_code_scores_bits<V, 8>(t, tile, lo, hi, q16, ab, nq, s, s_stride);
-    case 4: return tile_code_scores_q4<V>(t, tile, lo, hi, static_cast<const std::int8_t*>(qc), ab, nq, s, s_stride);
+    case 4: return tile_code_scores_bytes<V, 4>(t, tile, lo, hi, q8, ab, nq, s, s_stride);
     case 3: return tile_code_scores_bits<V, 3>(t, tile, lo, hi, q16, ab, nq, s, s_stride);
-    case 2: return tile_code_scores_bits<V, 2>(t, tile, lo, hi, q16, ab, nq, s, s_stride);
+    case 2: return tile_code_scores_bytes<V, 2>(t, tile, lo, hi, q8, ab, nq, s, s_stride);
     default: return;  // codes_keys_ok excludes the rest
   }
 }

@@ -188,6 +188,27 @@ void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::p
   }
 }
 
+// kv_tiles.hpp's TileMaxFn: lane-wise std::max(acc, x) in four chains (one
+// would wait on each select's latency), then the lanes the same way.
+template <class V>
+float tile_max(const float* x, int n, float m) {
+  using F = typename V::F;
+  const auto keep_max = [](F acc, F v) { return V::select_lt(acc, v, v, acc); };
+  int i = 0;
+  if (n >= 4 * V::N) {
+    F a[4] = {V::set1(m), V::set1(m), V::set1(m), V::set1(m)};
+    for (; i + 4 * V::N <= n; i += 4 * V::N)
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) a[k] = keep_max(a[k], V::loadu(x + i + k * V::N));
+    const F r = keep_max(keep_max(a[0], a[1]), keep_max(a[2], a[3]));
+    alignas(64) float lanes[V::N];
+    V::storeu(lanes, r);
+    for (int k = 0; k < V::N; ++k) m = m < lanes[k] ? lanes[k] : m;  // every lane started from m
+  }
+  for (; i < n; ++i) m = m < x[i] ? x[i] : m;
+  return m;
+}
+
 // The partial last vector goes through a buffer padded with -inf (exp gives 0).
 template <class V>
 float tile_exp_sum(float* x, int n, float max) {
@@ -277,6 +298,7 @@ void tile_fit(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax,
     detail::tile_weighted_sum<Vec>(o, p, rows, n_rows, head_dim);                                         \
   }                                                                                                       \
   float tile_exp_sum(float* x, int n, float max) { return detail::tile_exp_sum<Vec>(x, n, max); }            \
+  float tile_max(const float* x, int n, float m) { return detail::tile_max<Vec>(x, n, m); }                  \
   void tile_rope(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t step,        \
                  RopeStyle style) {                                                                       \
     if ((head_dim / 2) % Vec::N != 0) return rope_rows_ref(rows, n_rows, head_dim, table, step, style);   \

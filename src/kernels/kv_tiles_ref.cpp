@@ -160,6 +160,11 @@ void fit_ranges_ref(const float* x, int n, std::ptrdiff_t stride, int lanes, int
   }
 }
 
+float max_ref(const float* x, int n, float m) {
+  for (int i = 0; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
 float exp_sum_ref(float* x, int n, float max) {
   float sum = 0.0f;
   for (int i = 0; i < n; ++i) {
@@ -183,7 +188,7 @@ float round_codes_ref(const float* x, int n, int qmax, Out* out) {
 
 // Query code c of query i, in the layout query_codes writes.
 int query_code(const TileCodes& t, const void* qc, std::size_t at) {
-  return t.bits == 4 ? static_cast<const std::int8_t*>(qc)[at] : static_cast<const std::int16_t*>(qc)[at];
+  return byte_query_codes(t.bits) ? static_cast<const std::int8_t*>(qc)[at] : static_cast<const std::int16_t*>(qc)[at];
 }
 
 float centre_of(int bits) { return static_cast<float>(1 << (bits - 1)); }
@@ -206,7 +211,7 @@ void query_codes_ref(const TileCodes& t, const std::byte* tile, const float* q, 
     }
     const std::size_t at = static_cast<std::size_t>(i) * D;
     const int qmax = query_code_max(t.bits, D);
-    const float step = t.bits == 4 ? round_codes_ref(qs.data(), D, qmax, static_cast<std::int8_t*>(qc) + at)
+    const float step = byte_query_codes(t.bits) ? round_codes_ref(qs.data(), D, qmax, static_cast<std::int8_t*>(qc) + at)
                                    : round_codes_ref(qs.data(), D, qmax, static_cast<std::int16_t*>(qc) + at);
     ab[2 * i] = score_scale * step;
     ab[2 * i + 1] = score_scale * bias;

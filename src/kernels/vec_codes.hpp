@@ -21,7 +21,10 @@
 // 8-bit lanes, for 4-bit key codes (one byte per code, 4 x more per
 // instruction than int16): kRows8 rows per register, one per 128-bit lane.
 // row4(row, c): channels c..c+4N-1 of a row of 4-bit codes, centred (code - 8),
-//   as bytes in channel order (16 channels per 128-bit lane)
+//   as bytes in channel order (16 channels per 128-bit lane); row2 the same
+//   for 2-bit codes (code - 2). A code byte b, widened to a 32-bit lane,
+//   becomes b | b << 6 | b << 12 | b << 18: byte k of the lane then holds
+//   bits 2k, 2k + 1 of b (channel 4i + k) in its two low bits.
 // transpose8(r): r[0..kRows8) in place, so that lane L of r[k] is lane k of
 //   the old r[L] (x86: 128-bit lanes; NEON: one lane, nothing to do)
 // q8(q): 16 query bytes in every 128-bit lane, as dot8 wants them
@@ -124,6 +127,12 @@ struct VecCodes : Vec {
     const __m512i split = _mm512_ternarylogic_epi32(w, _mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x0f0f), 0xa8);
     return _mm512_sub_epi8(split, _mm512_set1_epi8(8));
   }
+  static W row2(const std::byte* row, int c) {
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 4)));
+    const __m512i spread = _mm512_ternarylogic_epi32(w, _mm512_slli_epi32(w, 6), _mm512_slli_epi32(w, 12), 0xfe);
+    return _mm512_sub_epi8(_mm512_ternarylogic_epi32(spread, _mm512_slli_epi32(w, 18), _mm512_set1_epi8(3), 0xa8),
+                           _mm512_set1_epi8(2));
+  }
   static void transpose8(W* r) {
     const __m512i a = _mm512_shuffle_i64x2(r[0], r[1], 0x44), b = _mm512_shuffle_i64x2(r[0], r[1], 0xee);
     const __m512i c = _mm512_shuffle_i64x2(r[2], r[3], 0x44), d = _mm512_shuffle_i64x2(r[2], r[3], 0xee);
@@ -200,6 +209,12 @@ struct VecCodes : Vec {
     const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2)));
     const __m256i split = _mm256_and_si256(_mm256_or_si256(w, _mm256_slli_epi16(w, 4)), _mm256_set1_epi16(0x0f0f));
     return _mm256_sub_epi8(split, _mm256_set1_epi8(8));
+  }
+  static W row2(const std::byte* row, int c) {
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 4)));
+    const __m256i spread = _mm256_or_si256(_mm256_or_si256(w, _mm256_slli_epi32(w, 6)),
+                                           _mm256_or_si256(_mm256_slli_epi32(w, 12), _mm256_slli_epi32(w, 18)));
+    return _mm256_sub_epi8(_mm256_and_si256(spread, _mm256_set1_epi8(3)), _mm256_set1_epi8(2));
   }
   static void transpose8(W* r) {
     const __m256i a = _mm256_permute2x128_si256(r[0], r[1], 0x20), b = _mm256_permute2x128_si256(r[0], r[1], 0x31);
@@ -286,6 +301,13 @@ struct VecCodes : Vec {
     const uint16x8_t w = vmovl_u8(vld1_u8(reinterpret_cast<const std::uint8_t*>(row + c / 2)));
     const uint16x8_t split = vandq_u16(vorrq_u16(w, vshlq_n_u16(w, 4)), vdupq_n_u16(0x0f0f));
     return vsubq_s8(vreinterpretq_s8_u16(split), vdupq_n_s8(8));
+  }
+  static W8 row2(const std::byte* row, int c) {
+    std::uint32_t b;
+    std::memcpy(&b, row + c / 4, 4);
+    const uint32x4_t w = vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(b))));
+    const uint32x4_t spread = vorrq_u32(vorrq_u32(w, vshlq_n_u32(w, 6)), vorrq_u32(vshlq_n_u32(w, 12), vshlq_n_u32(w, 18)));
+    return vsubq_s8(vandq_s8(vreinterpretq_s8_u32(spread), vdupq_n_s8(3)), vdupq_n_s8(2));
   }
   static void transpose8(W8*) {}
   static W8 q8(const std::int8_t* q) { return vld1q_s8(q); }

@@ -70,19 +70,6 @@ void prefetch_tile(const std::byte* tile, std::size_t bytes) {
   for (std::size_t off = 0; off < bytes; off += 64) __builtin_prefetch(tile + off);
 }
 
-// The largest of `m` and x[lo, hi), in eight independent chains: one chain
-// of maxss waits on its latency at every row (it was a fifth of int4
-// attention's time). max is exact, so the order changes no result.
-float max_of(const float* x, int lo, int hi, float m) {
-  float a[8] = {m, m, m, m, m, m, m, m};
-  int j = lo;
-  for (; j + 8 <= hi; j += 8)
-    for (int k = 0; k < 8; ++k) a[k] = std::max(a[k], x[j + k]);
-  for (; j < hi; ++j) a[0] = std::max(a[0], x[j]);
-  for (int k = 1; k < 8; ++k) a[0] = std::max(a[0], a[k]);
-  return a[0];
-}
-
 // The per-query tables of pq tiles (kv_pq.hpp) cost 256 products per
 // sub-space and query, and their lookups are scalar: never worth it for a
 // prefill chunk's many queries (and, measured, not for decode steps either at
@@ -167,11 +154,6 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       }
       float* s0 = &scores[static_cast<std::size_t>(b - b0) * T];
       kernels::pq_scores(kc, in.k_tiles[ti], lo, hi, pq_lut.data(), nq, s0, static_cast<std::size_t>(keys));
-      for (int i = 0; i < nq; ++i) {
-        const float* si = s0 + static_cast<std::size_t>(i) * keys;
-        float& m = ml[static_cast<std::size_t>(i)].m;
-        m = max_of(si, start_of(b, i), lim_of(b, i), m);
-      }
       continue;
     }
     if (on_codes && kernels::codes_keys_ok(kc) && !rows_rope) {
@@ -183,11 +165,6 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       ops.query_codes(kc, in.k_tiles[ti], qk, nq, scale, qcodes.data(), qab.data());
       float* s0 = &scores[static_cast<std::size_t>(b - b0) * T];
       ops.code_scores(kc, in.k_tiles[ti], lo, hi, qcodes.data(), qab.data(), nq, s0, static_cast<std::size_t>(keys));
-      for (int i = 0; i < nq; ++i) {
-        const float* si = s0 + static_cast<std::size_t>(i) * keys;
-        float& m = ml[static_cast<std::size_t>(i)].m;
-        m = max_of(si, start_of(b, i), lim_of(b, i), m);
-      }
       continue;
     }
     const float* k = reinterpret_cast<const float*>(in.k_tiles[ti]);
@@ -207,16 +184,17 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       const int lim = lim_of(b, i), st = start_of(b, i);
       float* sc = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(b - b0) * T];
       const float* qi = qk + static_cast<std::ptrdiff_t>(i) * D;
-      if (lim > st)
-        ml[static_cast<std::size_t>(i)].m = std::max(
-            ml[static_cast<std::size_t>(i)].m, ops.scores(qi, k + static_cast<std::ptrdiff_t>(st) * D, lim - st, D, scale, sc + st));
+      if (lim > st) ops.scores(qi, k + static_cast<std::ptrdiff_t>(st) * D, lim - st, D, scale, sc + st);
     }
   }
   for (int i = 0; i < nq; ++i) {
     const int nv = visible[static_cast<std::size_t>(i)];
     Partial& p = ml[static_cast<std::size_t>(i)];
     const int lo = start_of(b0, i);  // rows relative to block b0, as nv
-    if (nv > lo) p.l = ops.exp_sum(&scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(lo)], nv - lo, p.m);
+    // [lo, nv) is every row query i sees in this partition, one run: the
+    // maximum is taken once over it (one vector pass) rather than per block.
+    float* x = &scores[static_cast<std::size_t>(i) * keys + static_cast<std::size_t>(lo)];
+    if (nv > lo) p.m = ops.max(x, nv - lo, p.m), p.l = ops.exp_sum(x, nv - lo, p.m);
   }
   for (int b = first_block; b < last_block; ++b) {
     const int rows = std::min(T, total - b * T), lo = lo_of(b);

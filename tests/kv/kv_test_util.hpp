@@ -84,11 +84,12 @@ class CodesAttentionScope {
 // rows (random rows and queries of unit scale): float rounding alone when
 // tiles are decoded; on codes, also the rounding of queries and weights
 // (kernels/kv_tiles.hpp): 15 bits (a flip moves an output by 1/32767 of the
-// largest weight's share), or 8 bits for queries against 4-bit keys, whose
-// score error is then about a tenth of the 4-bit keys' own.
+// largest weight's share), or 8 bits for queries against 4- and 2-bit keys,
+// whose score error is then a fraction of those keys' own.
 inline float attention_tolerance(const KvFormat& f) {
   if (!kv::codes_attention()) return 2e-5f;
-  return f.k.type == KvType::q4 && f.k.axis == KvAxis::channel ? 0.15f : 2e-3f;
+  const bool byte_queries = (f.k.type == KvType::q4 || f.k.type == KvType::q2) && f.k.axis == KvAxis::channel;
+  return byte_queries ? 0.15f : 2e-3f;
 }
 
 }  // namespace qkvshare::testing

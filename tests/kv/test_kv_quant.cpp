@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -200,6 +201,35 @@ TEST(KvQuant, SimdScoresSumsExpMatchScalar) {
       EXPECT_NEAR(s1, s2, 1e-6f * s1);
       for (int i = 0; i < len; ++i) EXPECT_NEAR(e1[static_cast<std::size_t>(i)], e2[static_cast<std::size_t>(i)], 1e-6f) << i;
     }
+  }
+}
+
+// The softmax maximum: exact, and std::max's rule for NaNs, on every level
+// and length (the vector body, its chains and the scalar tail).
+TEST(KvQuant, MaxEqualsTheReferenceOnEveryLevel) {
+  std::mt19937 rng(29);
+  std::normal_distribution<float> n(0.0f, 3.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (kernels::Isa isa : simd_isas()) {
+    const kernels::TileKernels& k = kernels::tile_kernels(isa);
+    for (int len : {0, 1, 15, 16, 63, 64, 65, 127, 200, 2048})
+      for (int kind = 0; kind < 5; ++kind) {
+        std::vector<float> x(static_cast<std::size_t>(len) + 1);
+        for (auto& v : x) v = n(rng);
+        float m = -inf;
+        if (kind == 1 && len > 0) x[static_cast<std::size_t>(len) - 1] = 1e30f;  // the largest in the scalar tail
+        if (kind == 2 && len > 0) x[static_cast<std::size_t>(len / 2)] = nan;    // passed over
+        if (kind == 3) m = 1e6f;                                                // above every x
+        if (kind == 4) m = nan;                                                 // kept
+        x[static_cast<std::size_t>(len)] = 1e38f;  // past n: never read
+        const float want = kernels::max_ref(x.data(), len, m), got = k.max(x.data(), len, m);
+        if (std::isnan(want)) {
+          EXPECT_TRUE(std::isnan(got)) << kernels::isa_name(isa) << " len " << len << " kind " << kind;
+        } else {
+          EXPECT_EQ(got, want) << kernels::isa_name(isa) << " len " << len << " kind " << kind;
+          EXPECT_FALSE(std::isnan(got));
+        }
+      }
   }
 }
 

@@ -64,18 +64,21 @@ using TileExpSumFn = float (*)(float* x, int n, float max);
 // Rounding maps the largest |x| to code_weight_max(head_dim) (sums of
 // 8-bit codes stay within int32), far below the codes' own error.
 inline constexpr int code_weight_max(int n_terms) noexcept { return n_terms <= 512 ? 32767 : 16383; }
-// Queries against 4-bit keys are rounded to bytes (+-127): one dot-product
-// instruction then covers 4x the channels, and the query's rounding error
-// stays a small fraction of the 4-bit keys' own. Other widths keep 16 bits.
+// Queries against 4-bit and 2-bit keys are rounded to bytes (+-127): one
+// dot-product instruction then covers 4x the channels, and the query's
+// rounding error stays a small fraction of the keys' own. 8-bit keys (whose
+// error is of the order of a byte query's) and 3-bit keys (whose codes do
+// not fall on byte boundaries) keep 16 bits.
+inline constexpr bool byte_query_codes(int bits) noexcept { return bits == 4 || bits == 2; }
 inline constexpr int query_code_max(int bits, int head_dim) noexcept {
-  return bits == 4 ? 127 : code_weight_max(head_dim);
+  return byte_query_codes(bits) ? 127 : code_weight_max(head_dim);
 }
 // Value weights are rounded to 16 bits per window of kCodeWindow rows, from
 // a multiple of 4 (measured: bytes over 4-bit values were no faster here,
 // the per-query rounding dominates a 32-row tile).
 inline constexpr int kCodeWindow = 32;
 
-// q [nq][head_dim] -> qc [nq][head_dim] (int8 for 4-bit keys, else int16:
+// q [nq][head_dim] -> qc [nq][head_dim] (int8 for 4- and 2-bit keys, else int16:
 // query_code_max) and ab [nq][2] such that
 // ab[2i] * (qc_i . codes_j) + ab[2i + 1] ~ score_scale * (q_i . decoded row_j).
 using TileQueryCodesFn = void (*)(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
@@ -128,6 +131,12 @@ inline constexpr float kFitMinRange = 1e-30f;
 // included: the KV pool's f16 rows and hot copies.
 using TileEncodeF16Fn = void (*)(const float* x, std::size_t n, std::uint16_t* out);
 
+// The largest of m and x[0, n) (m when n <= 0), by the rule of std::max(m, x):
+// a NaN in x is passed over, a NaN m is kept; exact on every level, except
+// which zero comes back when +0 and -0 tie. A softmax's maximum, once per
+// query over all the scores it sees.
+using TileMaxFn = float (*)(const float* x, int n, float m);
+
 struct TileKernels {
   TileDecodeFn decode = nullptr;
   TileScoresFn scores = nullptr;
@@ -139,6 +148,7 @@ struct TileKernels {
   TileRopeFn rope = nullptr;
   TileFitFn fit = nullptr;
   TileEncodeF16Fn encode_f16 = nullptr;
+  TileMaxFn max = nullptr;
 };
 
 // The kernels of one level (throws Error(invalid_argument) where it is not
@@ -160,5 +170,6 @@ void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, con
 void rope_rows_ref(float* rows, int n_rows, int head_dim, const float* table, std::ptrdiff_t table_step, RopeStyle style);
 void fit_ranges_ref(const float* x, int n, std::ptrdiff_t stride, int lanes, int qmax, float* lo, float* hi);
 void encode_f16_ref(const float* x, std::size_t n, std::uint16_t* out);
+float max_ref(const float* x, int n, float m);
 
 }  // namespace qkvshare::kernels
