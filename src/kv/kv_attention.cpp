@@ -97,7 +97,7 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
   tile.resize(static_cast<std::size_t>(T) * D);
   thread_local std::vector<int> visible;  // keys of this partition query i sees
   thread_local std::vector<int> from;     // the first key query i sees (its window's start)
-  thread_local std::vector<Partial> ml;   // running max, then (max, sum of exp)
+  thread_local std::vector<Partial> ml;   // per query: (max, sum of exp) over the rows it sees, set after the scores
   visible.resize(static_cast<std::size_t>(nq));
   from.resize(static_cast<std::size_t>(nq));
   int from_min = total;
