@@ -47,9 +47,9 @@ struct Timing {
   double wall = 1e30, cpu = 1e30;
 };
 
-Timing run(const KvShape& s, const KvFormat& f, int depth, int steps, AttendPath path, ThreadPool& threads,
+Timing run(const KvShape& s, const KvFormat& f, int depth, int steps, int block, AttendPath path, ThreadPool& threads,
            std::size_t& bytes) {
-  auto pool = KvPool::create(PoolConfig{s, 32, KvPool::arena_bytes_for(s, 32, f, depth + steps)});
+  auto pool = KvPool::create(PoolConfig{s, block, KvPool::arena_bytes_for(s, block, f, depth + steps)});
   PooledKvCache cache(pool, f, depth + steps);
   cache.set_attend_path(path);
   if (cache.keys_before_rope()) {  // keys=pre: RoPE is applied to every key row read (what it costs is measured here)
@@ -90,7 +90,7 @@ Timing run(const KvShape& s, const KvFormat& f, int depth, int steps, AttendPath
 }  // namespace
 
 int main(int argc, char** argv) {
-  int depth = 2048, steps = 64, n_threads = 1;
+  int depth = 2048, steps = 64, n_threads = 1, block = 32;
   std::string formats = "f32,f16,int8,k8v4,int4,int3,int2,int2:window=128:sink=32";
   std::string path_name = "auto";
   KvShape shape{30, 9, 3, 64};
@@ -100,6 +100,7 @@ int main(int argc, char** argv) {
     else if (a == "--steps") steps = std::atoi(v.c_str());
     else if (a == "--threads") n_threads = std::atoi(v.c_str());
     else if (a == "--formats") formats = v;
+    else if (a == "--block-tokens") block = std::atoi(v.c_str());  // the pool's block size (a power of two)
     else if (a == "--path") path_name = v;
     else if (a == "--head-dim") shape.head_dim = std::atoi(v.c_str());
     else if (a == "--tiles") kv::set_codes_attention(v != "decode");  // codes (default) | decode
@@ -116,8 +117,8 @@ int main(int argc, char** argv) {
                                                   : AttendPath::automatic;
   try {
     ThreadPool threads(n_threads);
-    std::printf("attention-only decode step (30 layers, write + attend), depth %d, best of %d, %d threads, path %s\n",
-                depth, steps, n_threads, path_name.c_str());
+    std::printf("attention-only decode step (30 layers, write + attend), depth %d, best of %d, %d threads, path %s, %d-token blocks\n",
+                depth, steps, n_threads, path_name.c_str(), block);
     std::printf("%-28s %10s %14s %14s\n", "format", "KV MiB", "wall us/step", "cpu us/step");
     for (std::size_t pos = 0; pos <= formats.size();) {
       std::size_t end = formats.find(',', pos);
@@ -125,7 +126,7 @@ int main(int argc, char** argv) {
       const KvFormat f = KvFormat::parse(formats.substr(pos, end - pos));
       pos = end + 1;
       std::size_t bytes = 0;
-      const Timing t = run(shape, f, depth, steps, path, threads, bytes);
+      const Timing t = run(shape, f, depth, steps, block, path, threads, bytes);
       std::printf("%-28s %10.2f %14.1f %14.1f\n", f.to_string().c_str(), static_cast<double>(bytes) / (1 << 20),
                   t.wall * 1e6, t.cpu * 1e6);
       std::fprintf(stderr, "{\"format\": \"%s\", \"depth\": %d, \"kv_bytes\": %zu, \"wall_s\": %.9f, \"cpu_s\": %.9f}\n",

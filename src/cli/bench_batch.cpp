@@ -65,6 +65,7 @@ nlohmann::json run_batch_bench(Engine& engine, const BatchBenchArgs& a) {
         const int capacity = depth + a.n_gen + 1;
         PoolConfig pc;
         pc.shape = engine.kv_shape();
+        pc.block_tokens = a.block_tokens;
         pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, pc.block_tokens, f, capacity, 2 * max_b);
         auto pool = KvPool::create(pc);
         // max_b distinct contexts, filled once; each test decodes on forks of
@@ -134,6 +135,7 @@ nlohmann::json run_batch_bench(Engine& engine, const BatchBenchArgs& a) {
                          {"n_tokens", a.n_gen},
                          {"depth", depth},
                          {"shared_prefix", a.shared_prefix},
+                         {"kv_block_tokens", a.block_tokens},
                          {"seconds", cell.seconds},
                          {"aggregate_tokens_per_s", {{"samples", agg}, {"median", m}}},
                          {"per_session_tokens_per_s", {{"samples", per}, {"median", median(per)}}}});

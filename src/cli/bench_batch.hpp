@@ -25,6 +25,7 @@ struct BatchBenchArgs {
   // All B sessions fork one filled context (llama-batched-bench -pps): a
   // fan-out's forks, and one fill instead of B.
   bool shared_prefix = false;
+  int block_tokens = 32;  // the pool's block size (a power of two)
 };
 
 // Runs the tests, prints the table on stdout and returns the JSON tests array.

@@ -37,6 +37,7 @@ struct BenchArgs {
   std::vector<int> batches;  // non-empty: the batched decode tests (bench_batch.hpp) instead
   std::vector<std::string> kv{"f16"};
   bool shared_prefix = false;
+  int kv_block_tokens = 32;
 };
 
 struct TestResult {
@@ -189,7 +190,7 @@ void run_bench(const BenchArgs& a) {
   std::vector<TestResult> results;
   nlohmann::json batch_tests;
   if (!a.batches.empty()) {
-    BatchBenchArgs ba{a.batches, a.kv, a.depths, a.n_gen, a.reps, a.seed, a.shared_prefix};
+    BatchBenchArgs ba{a.batches, a.kv, a.depths, a.n_gen, a.reps, a.seed, a.shared_prefix, a.kv_block_tokens};
     batch_tests = run_batch_bench(engine, ba);
   } else if (a.n_prompt > 0) {
     if (a.n_prompt > c.context_length)
@@ -269,6 +270,9 @@ void register_bench(CLI::App& app) {
                 "Batched decode: all sessions fork one filled context (llama-batched-bench -pps)");
   cmd->add_option("--kv", args->kv, "KV formats of the batched decode tests, e.g. f16,int8,int4")
       ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--kv-block-tokens", args->kv_block_tokens, "Batched decode: tokens per pool block (a power of two)")
+      ->check(CLI::IsMember({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024}))
       ->capture_default_str();
   cmd->callback([args] { run_bench(*args); });
 }

@@ -20,7 +20,6 @@ namespace qkvshare::kv {
 namespace {
 
 constexpr int kChunkTokens = 16;  // query tokens per job: a decoded tile serves them all
-constexpr int kPartitionBlocks = BlockAttend::kPartitionBlocks;  // keys per job in decode (split-K), merged afterwards
 
 using Ops = kernels::TileKernels;
 
@@ -293,7 +292,8 @@ void BlockAttend::prepare(const AttendInput& in, AttendPath path) {
   // sliding-window layer's few partitions are not dealt out beside empty ones.
   first_block_ = in.causal ? std::clamp(in.visible_from, 0, in.key_total()) / in.block_tokens : 0;
   const int seen_blocks = in.n_blocks - first_block_;
-  parts_ = in.n <= 4 && !pq ? (seen_blocks + kPartitionBlocks - 1) / kPartitionBlocks : 1;
+  const int part_blocks = partition_blocks();
+  parts_ = in.n <= 4 && !pq ? (seen_blocks + part_blocks - 1) / part_blocks : 1;
   slots_ = static_cast<std::size_t>(in.n) * static_cast<std::size_t>(s.n_heads);
   if (parts_ > 1) {
     ml_.assign(slots_ * static_cast<std::size_t>(parts_), Partial{});
@@ -315,7 +315,7 @@ double BlockAttend::job_cost() const noexcept {
     keys = std::min(keys, static_cast<double>(std::max(1, in_.key_total() - in_.visible_from)));
   if (ops_ == nullptr) return keys * s.head_dim;
   const double queries = std::min(in_.n, kChunkTokens) * (s.n_heads / s.n_kv_heads);
-  return queries * std::min(keys, static_cast<double>(kPartitionBlocks * in_.block_tokens)) * s.head_dim;
+  return queries * std::min(keys, static_cast<double>(partition_blocks() * in_.block_tokens)) * s.head_dim;
 }
 
 void BlockAttend::run(std::size_t job) {
@@ -329,8 +329,8 @@ void BlockAttend::run(std::size_t job) {
   const int h = static_cast<int>(job / parts / chunks);
   const int t0 = c * kChunkTokens, t1 = std::min(in_.n, t0 + kChunkTokens);
   const bool split = parts_ > 1;
-  const int b0 = split ? first_block_ + p * kPartitionBlocks : 0;
-  const int b1 = split ? std::min(in_.n_blocks, b0 + kPartitionBlocks) : in_.n_blocks;
+  const int b0 = split ? first_block_ + p * partition_blocks() : 0;
+  const int b1 = split ? std::min(in_.n_blocks, b0 + partition_blocks()) : in_.n_blocks;
   const std::size_t slot0 = slots_ * static_cast<std::size_t>(p);
   if (!split && in_.out_ml != nullptr) {  // one partition: its pieces are the result
     static_assert(sizeof(Partial) == 2 * sizeof(float));

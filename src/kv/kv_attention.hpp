@@ -95,11 +95,19 @@ class BlockAttend final : public AttendWork {
 
   const AttendInput& input() const noexcept { return in_; }
   const kernels::TileKernels* ops() const noexcept { return ops_; }
-  // Decode's key partitions (split-K): kPartitionBlocks blocks each from
+  // Decode's key partitions (split-K): partition_blocks() blocks each from
   // block first_block(); 1 when the keys are not split.
   int partitions() const noexcept { return parts_; }
   int first_block() const noexcept { return first_block_; }
-  static constexpr int kPartitionBlocks = 16;
+  // At most 16 blocks and at most 512 keys (at least one block): pools with
+  // larger blocks keep partitions of 512 keys, so 2 threads still get
+  // several at depth 2048 (at 16 blocks of 128 keys they got one per head).
+  static constexpr int kPartitionBlocks = 16, kPartitionTokens = 512;
+  static constexpr int partition_blocks(int block_tokens) noexcept {
+    const int by_tokens = kPartitionTokens / block_tokens;
+    return by_tokens < 1 ? 1 : by_tokens < kPartitionBlocks ? by_tokens : kPartitionBlocks;
+  }
+  int partition_blocks() const noexcept { return partition_blocks(in_.block_tokens); }
   // Partitions [0, n) are computed elsewhere (SharedBlockReads: blocks that
   // other sessions' plans read too): jobs() leaves them out, and their softmax
   // pieces must be in partition_ml/partition_o before finish(). Until the next prepare().

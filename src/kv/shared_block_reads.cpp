@@ -10,7 +10,6 @@ namespace qkvshare::kv {
 
 namespace {
 
-constexpr int kSharedPartition = BlockAttend::kPartitionBlocks;
 constexpr int kGroupChunk = 16;  // stacked queries per job, as BlockAttend's chunks
 
 std::atomic<bool> g_shared_reads{true};
@@ -28,7 +27,7 @@ bool shareable(const BlockAttend& b) {
 // (full, committed, seen whole by every query).
 int whole_partitions(const BlockAttend& b) {
   const AttendInput& in = b.input();
-  return std::min(b.partitions(), in.first_pos / in.block_tokens / kSharedPartition);
+  return std::min(b.partitions(), in.first_pos / in.block_tokens / b.partition_blocks());
 }
 
 bool same_reader(const AttendInput& a, const AttendInput& b) {
@@ -40,9 +39,9 @@ bool same_reader(const AttendInput& a, const AttendInput& b) {
 // Leading partitions of `a` and `b` (up to `limit`) that are the same blocks:
 // the same tiles (one pool, one block) with the same codecs.
 int same_partitions(const AttendInput& a, const AttendInput& b, int limit) {
-  const int H = a.shape.n_kv_heads;
+  const int H = a.shape.n_kv_heads, part = BlockAttend::partition_blocks(a.block_tokens);
   for (int p = 0; p < limit; ++p)
-    for (int blk = p * kSharedPartition; blk < (p + 1) * kSharedPartition; ++blk) {
+    for (int blk = p * part; blk < (p + 1) * part; ++blk) {
       if (!(a.k_codecs[blk] == b.k_codecs[blk]) || !(a.v_codecs[blk] == b.v_codecs[blk])) return p;
       for (int h = 0; h < H; ++h) {
         const std::size_t i = static_cast<std::size_t>(blk) * H + h;
@@ -71,7 +70,7 @@ class SharedBlockReads::Group final : public AttendWork {
       std::memcpy(&q_[static_cast<std::size_t>(rows_[i]) * qd], members[i]->input().q,
                   sizeof(float) * static_cast<std::size_t>(members[i]->input().n) * qd);
     in_ = lead;  // the leader's tile and codec arrays: the same blocks as every member's up to here
-    in_.n_blocks = parts * kSharedPartition;
+    in_.n_blocks = parts * BlockAttend::partition_blocks(lead.block_tokens);
     in_.first_pos = 0;
     in_.n = n;
     in_.q = q_.data();
@@ -92,7 +91,7 @@ class SharedBlockReads::Group final : public AttendWork {
   }
   double job_cost() const noexcept override {
     const int group = in_.shape.n_heads / in_.shape.n_kv_heads;
-    return static_cast<double>(std::min(in_.n, kGroupChunk) * group) * kSharedPartition * in_.block_tokens *
+    return static_cast<double>(std::min(in_.n, kGroupChunk) * group) * BlockAttend::partition_blocks(in_.block_tokens) * in_.block_tokens *
            in_.shape.head_dim;
   }
   void run(std::size_t job) override {
@@ -102,7 +101,8 @@ class SharedBlockReads::Group final : public AttendWork {
     const int h = static_cast<int>(job / parts / chunks);
     const int t0 = c * kGroupChunk, t1 = std::min(in_.n, t0 + kGroupChunk);
     const std::size_t at = slots_ * static_cast<std::size_t>(p);
-    attend_partition(in_, *ops_, h, t0, t1, p * kSharedPartition, (p + 1) * kSharedPartition, ml_.data() + at,
+    const int part = BlockAttend::partition_blocks(in_.block_tokens);
+    attend_partition(in_, *ops_, h, t0, t1, p * part, (p + 1) * part, ml_.data() + at,
                      o_.data() + at * static_cast<std::size_t>(in_.shape.head_dim));
   }
   // Hands each member its queries' pieces; runs before the members' own

@@ -78,6 +78,32 @@ TEST(PooledKvCache, SimdAttentionMatchesScalarOnEveryFormat) {
       }
 }
 
+// Pools of 128-token blocks split decode into partitions of 512 keys (4 blocks),
+// not of 16 blocks: at depth 1100 a decode step has 3 partitions to merge.
+TEST(PooledKvCache, LargeBlocksSplitDecodeByKeysAndMatchScalar) {
+  ThreadPool threads(2);
+  const KvShape shape{1, 9, 3, 64};
+  const int capacity = 1104;
+  for (const char* text : {"f16", "int8", "int4", "int2"}) {
+    const KvFormat f = KvFormat::parse(text);
+    auto pool = KvPool::create(PoolConfig{shape, 128, KvPool::arena_bytes_for(shape, 128, f, capacity, 2)});
+    PooledKvCache scalar(pool, f, capacity), simd(pool, f, capacity);
+    scalar.set_attend_path(AttendPath::scalar);
+    DenseKvCache dense(shape, capacity);
+    unsigned seed = 3;
+    for (const int n : {600, 500, 1, 1, 2}) {  // the decode steps read 1100-1104 keys
+      const auto pass = random_pass(shape, n, seed++);
+      const auto a = run_pass(scalar, pass, n, threads);
+      const auto b = run_pass(simd, pass, n, threads);
+      const auto r = run_pass(dense, pass, n, threads);
+      ASSERT_LE(max_abs_diff(a, b), testing::attention_tolerance(f)) << text << " n=" << n;
+      if (f.k.bits() >= 8 && f.v.bits() >= 8) {
+        ASSERT_LE(rel_rms(b, r), 0.05) << text << " n=" << n;
+      }
+    }
+  }
+}
+
 // Both run the block attention over f32 tiles of 16 rows, on every ISA.
 TEST(PooledKvCache, F32PoolIsBitIdenticalToDenseCache) {
   testing::IsaGuard guard;
