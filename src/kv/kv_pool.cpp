@@ -269,27 +269,41 @@ const std::byte* KvPool::stored_tile(BlockRef ref, int kind, int layer, int head
 
 std::byte* KvPool::tile(BlockRef ref, int kind, int layer, int head) const {
   BlockHeader& b = block(ref.index);
-  const KvCodec kc = KvCodec::unpack(b.k_codec);
-  const TileLayout lk = tile_layout(kc, block_tokens_, shape_.head_dim);
+  const TileLayout lk = tile_layout(KvCodec::unpack(b.k_codec), block_tokens_, shape_.head_dim);
   const bool freed = window_freed(b.flags);
   const int stored = stored_index(layer, freed);
   QKV_CHECK(stored >= 0);  // a windowed layer's tile that the block left behind
   const auto tiles = static_cast<std::uint32_t>((freed ? n_global_ : shape_.n_layers) * shape_.n_kv_heads);
-  const auto i = static_cast<std::uint32_t>(stored * shape_.n_kv_heads + head);
-  std::uint32_t slot = 0;
-  std::size_t offset = 0;
-  if (kind == 0) {
-    const auto per_page = static_cast<std::uint32_t>(page_bytes_ / lk.bytes);
-    slot = i / per_page;
-    offset = (i % per_page) * lk.bytes;
-  } else {
-    const TileLayout lv = tile_layout(KvCodec::unpack(b.v_codec), block_tokens_, shape_.head_dim);
-    const auto per_page = static_cast<std::uint32_t>(page_bytes_ / lv.bytes);
-    slot = kind_pages(lk, page_bytes_, tiles) + i / per_page;
-    offset = (i % per_page) * lv.bytes;
+  const std::size_t v_bytes = kind == 0 ? 0 : tile_layout(KvCodec::unpack(b.v_codec), block_tokens_, shape_.head_dim).bytes;
+  return tile_at(b, lk, v_bytes, tiles, static_cast<std::uint32_t>(stored * shape_.n_kv_heads + head), kind);
+}
+
+void KvPool::stored_tiles(BlockRef ref, int layer, const std::byte** k, const std::byte** v) const {
+  const BlockHeader& b = block(ref.index);
+  const bool freed = window_freed(b.flags);
+  const int stored = stored_index(layer, freed), H = shape_.n_kv_heads;
+  if (stored < 0) {
+    std::fill(k, k + H, nullptr);
+    std::fill(v, v + H, nullptr);
+    return;
   }
+  const TileLayout lk = tile_layout(KvCodec::unpack(b.k_codec), block_tokens_, shape_.head_dim);
+  const std::size_t v_bytes = tile_layout(KvCodec::unpack(b.v_codec), block_tokens_, shape_.head_dim).bytes;
+  const auto tiles = static_cast<std::uint32_t>((freed ? n_global_ : shape_.n_layers) * H);
+  for (int h = 0; h < H; ++h) {
+    const auto i = static_cast<std::uint32_t>(stored * H + h);
+    k[h] = tile_at(b, lk, v_bytes, tiles, i, 0);
+    v[h] = tile_at(b, lk, v_bytes, tiles, i, 1);
+  }
+}
+
+std::byte* KvPool::tile_at(const BlockHeader& b, const TileLayout& lk, std::size_t v_bytes, std::uint32_t tiles,
+                           std::uint32_t i, int kind) const {
+  const std::size_t bytes = kind == 0 ? lk.bytes : v_bytes;
+  const auto per_page = static_cast<std::uint32_t>(page_bytes_ / bytes);
+  const std::uint32_t slot = (kind == 0 ? 0 : kind_pages(lk, page_bytes_, tiles)) + i / per_page;
   QKV_CHECK(slot < b.n_pages);
-  return base_ + pages_offset_ + static_cast<std::size_t>(b.pages()[slot]) * page_bytes_ + offset;
+  return base_ + pages_offset_ + static_cast<std::size_t>(b.pages()[slot]) * page_bytes_ + (i % per_page) * bytes;
 }
 
 BlockRef KvPool::without_windowed_layers(BlockRef ref) {

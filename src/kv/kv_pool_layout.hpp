@@ -107,6 +107,7 @@ struct KvPool::BlockHeader {
   std::atomic<std::uint64_t> checksum_tag;
   std::atomic<std::uint64_t> checksum;
   std::uint32_t* pages() noexcept { return reinterpret_cast<std::uint32_t*>(this + 1); }
+  const std::uint32_t* pages() const noexcept { return reinterpret_cast<const std::uint32_t*>(this + 1); }
 };
 
 }  // namespace qkvshare

@@ -420,10 +420,14 @@ void PooledKvCache::plan(int n) {
   step_ = std::move(step);
 }
 
-const std::byte* PooledKvCache::pass_tile(int b, int kind, int layer, int kv_head) const {
-  const int slot = step_->view_slot[static_cast<std::size_t>(b) * 2 + static_cast<std::size_t>(kind)];
-  if (slot < 0) return pool_->stored_tile(step_->view[static_cast<std::size_t>(b)], kind, layer, kv_head);
-  return step_->pass_copy(slot, kind, kv_head, shape().n_kv_heads);
+void PooledKvCache::pass_tiles(int b, int layer, const std::byte** k, const std::byte** v) const {
+  const int H = shape().n_kv_heads;
+  const int ks = step_->view_slot[static_cast<std::size_t>(b) * 2], vs = step_->view_slot[static_cast<std::size_t>(b) * 2 + 1];
+  if (ks < 0 || vs < 0) pool_->stored_tiles(step_->view[static_cast<std::size_t>(b)], layer, k, v);
+  for (int h = 0; h < H; ++h) {
+    if (ks >= 0) k[h] = step_->pass_copy(ks, 0, h, H);
+    if (vs >= 0) v[h] = step_->pass_copy(vs, 1, h, H);
+  }
 }
 
 void PooledKvCache::write(int layer, int n, const float* k, const float* v) {
@@ -553,12 +557,10 @@ AttendWork& PooledKvCache::plan_attend(int layer, int n, const float* q, float* 
   std::vector<const std::byte*>& tiles = attend_tiles_;
   tiles.resize(static_cast<std::size_t>(blocks) * static_cast<std::size_t>(s.n_kv_heads) * 2);
   const std::size_t half = tiles.size() / 2;
-  for (int b = 0; b < blocks; ++b)
-    for (int h = 0; h < s.n_kv_heads; ++h) {
-      const std::size_t i = static_cast<std::size_t>(b) * s.n_kv_heads + h;
-      tiles[i] = pass_tile(b, 0, layer, h);
-      tiles[half + i] = pass_tile(b, 1, layer, h);
-    }
+  for (int b = 0; b < blocks; ++b) {
+    const std::size_t i = static_cast<std::size_t>(b) * s.n_kv_heads;
+    pass_tiles(b, layer, &tiles[i], &tiles[half + i]);
+  }
   kv::AttendInput in = kv::causal_input(s, pool_->block_tokens(), blocks, size_, n, q, out, window);
   in.k_tiles = tiles.data();
   in.v_tiles = tiles.data() + half;
@@ -618,11 +620,9 @@ AttendWork& PooledKvCache::plan_segments(int layer, int n, const float* q, float
     const std::size_t half = part.tiles.size() / 2;
     for (int b = 0; b < nb; ++b) {
       const BlockRef ref = blocks[static_cast<std::size_t>(b)];
-      for (int h = 0; h < s.n_kv_heads; ++h) {
-        const std::size_t i = static_cast<std::size_t>(b) * s.n_kv_heads + h;
-        part.tiles[i] = tail ? pass_tile(b, 0, layer, h) : pool_->stored_tile(ref, 0, layer, h);
-        part.tiles[half + i] = tail ? pass_tile(b, 1, layer, h) : pool_->stored_tile(ref, 1, layer, h);
-      }
+      const std::size_t i = static_cast<std::size_t>(b) * s.n_kv_heads;
+      if (tail) pass_tiles(b, layer, &part.tiles[i], &part.tiles[half + i]);
+      else pool_->stored_tiles(ref, layer, &part.tiles[i], &part.tiles[half + i]);
       if (tail) {
         part.codecs[static_cast<std::size_t>(b)] = step_->view_k[static_cast<std::size_t>(b)];
         part.codecs[static_cast<std::size_t>(nb + b)] = step_->view_v[static_cast<std::size_t>(b)];

@@ -159,6 +159,10 @@ class KvPool {
   std::byte* tile(BlockRef ref, int kind, int layer, int head) const;
   // The same, or nullptr for a windowed layer that the block left behind.
   const std::byte* stored_tile(BlockRef ref, int kind, int layer, int head) const;
+  // stored_tile of every KV head at once (k[h], v[h] for h < n_kv_heads):
+  // the block's layouts are worked out once, not per tile (a decode step
+  // asks for every tile of the context in every layer).
+  void stored_tiles(BlockRef ref, int layer, const std::byte** k, const std::byte** v) const;
   bool stores_layer(BlockRef ref, int layer) const;
   // Bytes of a block's pages.
   std::size_t block_bytes(BlockRef ref) const;
@@ -184,6 +188,10 @@ class KvPool {
   Header& header() const noexcept;
   BlockHeader& block(std::uint32_t index) const noexcept;
   BlockHeader& checked(BlockRef ref) const;  // live block or Error(internal)
+  // Tile i (stored layer x n_kv_heads + head) of `kind` in block b, whose K
+  // tiles have layout lk and V tiles v_bytes each, `tiles` tiles per kind.
+  std::byte* tile_at(const BlockHeader& b, const TileLayout& lk, std::size_t v_bytes, std::uint32_t tiles,
+                     std::uint32_t i, int kind) const;
   std::uint32_t* page_next() const noexcept;
   void drop(BlockRef ref);  // release without the ledger
 

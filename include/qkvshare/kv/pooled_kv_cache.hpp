@@ -238,8 +238,9 @@ class PooledKvCache final : public KvCache {
   // Waits for this pass's blocks quantized in the background (see above).
   void settle_quantization() noexcept;
   void write_block(int layer, int b, const float* k, const float* v, int n);
-  // The tile attention reads this pass for view block b (the pass copy when it has one).
-  const std::byte* pass_tile(int b, int kind, int layer, int kv_head) const;
+  // The tiles attention reads this pass for view block b, k[h] and v[h] for
+  // every KV head (the pass copies when it has them).
+  void pass_tiles(int b, int layer, const std::byte** k, const std::byte** v) const;
   std::uint32_t block_flags() const noexcept;
   int windowed_kept_from(const std::vector<KvSegment>& segments) const;
   // Error(invalid_argument) when a context of `tokens` tokens over `segments` would read freed windowed layers.
