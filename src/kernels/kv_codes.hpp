@@ -158,7 +158,9 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
   alignas(64) float ps[kCodeWindow * kTileMaxHeadDim / 8 + 16], pm[kCodeWindow * kTileMaxHeadDim / 8 + 16];
   // Pairs of rows (j, j + 1) zipped channel by channel: [pair][D / L][lo, hi][L].
   alignas(64) std::int16_t zipped[kCodeWindow / 2 * 2 * kTileMaxHeadDim];
-  alignas(64) float sf[kCodeWindow], mf[kCodeWindow], pw[kCodeWindow], w[kCodeWindow];
+  // The window's scales and minimums by group: [group][row], zero outside [lo, hi).
+  alignas(64) float sfg[kTileMaxHeadDim / 16 * kCodeWindow], mfg[kTileMaxHeadDim / 16 * kCodeWindow];
+  alignas(64) float pw[kCodeWindow], w[kCodeWindow];
   alignas(64) std::int16_t w16[kSumBatch * kCodeWindow];
   const W centre = V::set16(static_cast<std::int16_t>(1 << (Bits - 1)));
   const float fcentre = static_cast<float>(1 << (Bits - 1));
@@ -183,19 +185,27 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
     code_params<V>(t, tile, p0, p1 - p0, ps, pm);
     const int kmin = lo > j0 ? lo - j0 : 0, kmax = j1 - j0;
     const bool full = kmin == 0 && kmax == kCodeWindow;
-    for (int g = 0; g < groups; ++g) {
-      // [row][group] -> this group's rows, zero outside [lo, hi); the centre's share goes with the minimum.
-      const float* psg = ps + (j0 * groups + g - p0);
-      const float* pmg = pm + (j0 * groups + g - p0);
-      if (full) {
-        for (int k = 0; k < kCodeWindow; ++k) sf[k] = psg[k * groups], mf[k] = pmg[k * groups];
-      } else {
-        for (int k = 0; k < kCodeWindow; ++k) {
-          const bool in = k >= kmin && k < kmax;
-          sf[k] = in ? psg[k * groups] : 0.0f;
-          mf[k] = in ? pmg[k * groups] : 0.0f;
-        }
+    // [row][group] -> [group][row]; the centre's share goes with the minimum.
+    const float* ps0 = ps + (j0 * groups - p0);
+    const float* pm0 = pm + (j0 * groups - p0);
+    if (groups == 1) {
+      for (int k = 0; k < kCodeWindow; k += V::N) V::storeu(sfg + k, V::loadu(ps0 + k)), V::storeu(mfg + k, V::loadu(pm0 + k));
+    } else if (groups == 2) {  // the usual case (64-channel heads in groups of 32): one shuffle, not a scalar gather
+      for (int k = 0; k < kCodeWindow; k += V::N) {
+        V::deinterleave2(ps0 + 2 * k, sfg + k, sfg + kCodeWindow + k);
+        V::deinterleave2(pm0 + 2 * k, mfg + k, mfg + kCodeWindow + k);
       }
+    } else {
+      for (int g = 0; g < groups; ++g)
+        for (int k = 0; k < kCodeWindow; ++k)
+          sfg[g * kCodeWindow + k] = ps0[k * groups + g], mfg[g * kCodeWindow + k] = pm0[k * groups + g];
+    }
+    for (int g = 0; g < groups; ++g) {
+      float* sf = sfg + g * kCodeWindow;
+      float* mf = mfg + g * kCodeWindow;
+      if (!full)
+        for (int k = 0; k < kCodeWindow; ++k)
+          if (k < kmin || k >= kmax) sf[k] = 0.0f, mf[k] = 0.0f;
       for (int k = 0; k < kCodeWindow; k += V::N) V::storeu(mf + k, V::fmadd(V::set1(fcentre), V::loadu(sf + k), V::loadu(mf + k)));
       // Queries in batches of up to kSumBatch, which share each load of the codes.
       for (int i0 = 0; i0 < nq; i0 += kSumBatch) {

@@ -17,6 +17,7 @@
 // pair16(w): (w[0], w[1]) in every 32-bit lane
 // to_float(I), narrow16(p, I): N int32 (within int16 range) stored as int16
 // addi (int32 lanes), hmax (the largest float lane), narrow8 (N int32 as int8)
+// deinterleave2(x, even, odd): 2N floats x -> x[0], x[2], .. and x[1], x[3], ..
 //
 // 8-bit lanes, for 4-bit key codes (one byte per code, 4 x more per
 // instruction than int16): kRows8 rows per register, one per 128-bit lane.
@@ -151,6 +152,12 @@ struct VecCodes : Vec {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
   }
   static void narrow16(std::int16_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v)); }
+  static void deinterleave2(const float* x, float* even, float* odd) {
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    _mm512_storeu_ps(even, _mm512_permutex2var_ps(a, ie, b));
+    _mm512_storeu_ps(odd, _mm512_permutex2var_ps(a, _mm512_add_epi32(ie, _mm512_set1_epi32(1)), b));
+  }
 };
 }  // namespace
 }  // namespace qkvshare::kernels::detail::avx512
@@ -243,6 +250,12 @@ struct VecCodes : Vec {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(v, v), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
+  static void deinterleave2(const float* x, float* even, float* odd) {
+    const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8);
+    // shuffle_ps works per 128-bit lane: (a0 a2 b0 b2 | a4 a6 b4 b6), then the 64-bit pairs in order.
+    _mm256_storeu_ps(even, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8)));
+    _mm256_storeu_ps(odd, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8)));
+  }
 };
 }  // namespace
 }  // namespace qkvshare::kernels::detail::avx2
@@ -318,6 +331,11 @@ struct VecCodes : Vec {
   }
   static I reduce4(I a0, I a1, I a2, I a3) { return vpaddq_s32(vpaddq_s32(a0, a1), vpaddq_s32(a2, a3)); }
   static void narrow16(std::int16_t* p, I v) { vst1_s16(p, vmovn_s32(v)); }
+  static void deinterleave2(const float* x, float* even, float* odd) {
+    const float32x4_t a = vld1q_f32(x), b = vld1q_f32(x + 4);
+    vst1q_f32(even, vuzp1q_f32(a, b));
+    vst1q_f32(odd, vuzp2q_f32(a, b));
+  }
 };
 }  // namespace
 }  // namespace qkvshare::kernels::detail::neon
