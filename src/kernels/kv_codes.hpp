@@ -147,23 +147,83 @@ void code_sum_batch(const std::int16_t* zipped, int D, int padded, int c0, int G
   }
 }
 
+// A window's scales and minimums by group, [group][row] (zero outside rows
+// [kmin, kmax) of the window), the centre's share folded into the minimum.
+struct WindowRows {
+  int kmin, kmax;
+  bool full;
+};
 template <class V, int Bits>
-void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
-                        int nq, float* o) {
+WindowRows window_scales(const TileCodes& t, const std::byte* tile, int lo, int j0, int j1, float* sfg, float* mfg) {
+  const int groups = t.head_dim / t.group;
+  alignas(64) float ps[kCodeWindow * kTileMaxHeadDim / 8 + 16], pm[kCodeWindow * kTileMaxHeadDim / 8 + 16];
+  // The window's (scale, min) pairs, from the multiple of 8 before its first.
+  const int p0 = (j0 * groups) & ~7, p1 = (j1 * groups + 7) & ~7;
+  code_params<V>(t, tile, p0, p1 - p0, ps, pm);
+  const WindowRows r{lo > j0 ? lo - j0 : 0, j1 - j0, lo <= j0 && j1 - j0 == kCodeWindow};
+  // [row][group] -> [group][row] (rows past the window are overwritten below).
+  const float* ps0 = ps + (j0 * groups - p0);
+  const float* pm0 = pm + (j0 * groups - p0);
+  if (groups == 1) {
+    for (int k = 0; k < kCodeWindow; k += V::N) V::storeu(sfg + k, V::loadu(ps0 + k)), V::storeu(mfg + k, V::loadu(pm0 + k));
+  } else if (groups == 2) {  // the usual case (64-channel heads in groups of 32): one shuffle, not a scalar gather
+    for (int k = 0; k < kCodeWindow; k += V::N) {
+      V::deinterleave2(ps0 + 2 * k, sfg + k, sfg + kCodeWindow + k);
+      V::deinterleave2(pm0 + 2 * k, mfg + k, mfg + kCodeWindow + k);
+    }
+  } else {
+    for (int g = 0; g < groups; ++g)
+      for (int k = 0; k < kCodeWindow; ++k)
+        sfg[g * kCodeWindow + k] = ps0[k * groups + g], mfg[g * kCodeWindow + k] = pm0[k * groups + g];
+  }
+  const typename V::F centre = V::set1(static_cast<float>(1 << (Bits - 1)));
+  for (int g = 0; g < groups; ++g) {
+    float* sf = sfg + g * kCodeWindow;
+    float* mf = mfg + g * kCodeWindow;
+    if (!r.full)
+      for (int k = 0; k < kCodeWindow; ++k)
+        if (k < r.kmin || k >= r.kmax) sf[k] = 0.0f, mf[k] = 0.0f;
+    for (int k = 0; k < kCodeWindow; k += V::N) V::storeu(mf + k, V::fmadd(centre, V::loadu(sf + k), V::loadu(mf + k)));
+  }
+  return r;
+}
+
+// Query i's weights over the window at j0 for one group (scales sf, minimums
+// mf): p * scale rounded to codes of |w| max -> qmax; returns the step and
+// sets the group's bias (the minimums' share, summed in float).
+template <class V, class Out>
+float window_weights(const float* pi, int j0, const WindowRows& r, const float* sf, const float* mf, int qmax, Out* out,
+                     float& bias) {
   using F = typename V::F;
+  alignas(64) float pw[kCodeWindow], w[kCodeWindow];
+  const float* pv = pi + j0;  // the window's weights, zero outside [lo, hi)
+  if (!r.full) {
+    for (int k = 0; k < kCodeWindow; ++k) pw[k] = k >= r.kmin && k < r.kmax ? pi[j0 + k] : 0.0f;
+    pv = pw;
+  }
+  F b = V::zero(), mx = V::zero();
+  for (int k = 0; k < kCodeWindow; k += V::N) {
+    const F wk = V::mul(V::loadu(pv + k), V::loadu(sf + k));
+    V::storeu(w + k, wk);
+    mx = abs_max<V>(mx, wk);
+    b = V::fmadd(V::loadu(pv + k), V::loadu(mf + k), b);
+  }
+  bias = V::hsum(b);
+  return round_codes_to<V>(w, kCodeWindow, V::hmax(mx), qmax, out);
+}
+
+template <class V, int Bits>
+void tile_code_sum_pairs(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
+                         int nq, float* o) {
   using W = typename V::W;
   constexpr int L = 2 * V::N;
   static_assert(kCodeWindow % V::N == 0, "a window is whole vectors");
   const int D = t.head_dim, G = t.group, groups = D / G;
-  alignas(64) float ps[kCodeWindow * kTileMaxHeadDim / 8 + 16], pm[kCodeWindow * kTileMaxHeadDim / 8 + 16];
   // Pairs of rows (j, j + 1) zipped channel by channel: [pair][D / L][lo, hi][L].
   alignas(64) std::int16_t zipped[kCodeWindow / 2 * 2 * kTileMaxHeadDim];
-  // The window's scales and minimums by group: [group][row], zero outside [lo, hi).
   alignas(64) float sfg[kTileMaxHeadDim / 16 * kCodeWindow], mfg[kTileMaxHeadDim / 16 * kCodeWindow];
-  alignas(64) float pw[kCodeWindow], w[kCodeWindow];
   alignas(64) std::int16_t w16[kSumBatch * kCodeWindow];
   const W centre = V::set16(static_cast<std::int16_t>(1 << (Bits - 1)));
-  const float fcentre = static_cast<float>(1 << (Bits - 1));
   for (int j0 = lo & ~3; j0 < hi; j0 += kCodeWindow) {
     const int j1 = j0 + kCodeWindow < hi ? j0 + kCodeWindow : hi, pairs = (j1 - j0 + 1) / 2;
     const int padded = (pairs + 3) & ~3;  // pairs past the rows are zero
@@ -180,33 +240,8 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
         V::store16(z, zl), V::store16(z + L, zh);
       }
     }
-    // The window's (scale, min) pairs, from the multiple of 8 before its first.
-    const int p0 = (j0 * groups) & ~7, p1 = (j1 * groups + 7) & ~7;
-    code_params<V>(t, tile, p0, p1 - p0, ps, pm);
-    const int kmin = lo > j0 ? lo - j0 : 0, kmax = j1 - j0;
-    const bool full = kmin == 0 && kmax == kCodeWindow;
-    // [row][group] -> [group][row]; the centre's share goes with the minimum.
-    const float* ps0 = ps + (j0 * groups - p0);
-    const float* pm0 = pm + (j0 * groups - p0);
-    if (groups == 1) {
-      for (int k = 0; k < kCodeWindow; k += V::N) V::storeu(sfg + k, V::loadu(ps0 + k)), V::storeu(mfg + k, V::loadu(pm0 + k));
-    } else if (groups == 2) {  // the usual case (64-channel heads in groups of 32): one shuffle, not a scalar gather
-      for (int k = 0; k < kCodeWindow; k += V::N) {
-        V::deinterleave2(ps0 + 2 * k, sfg + k, sfg + kCodeWindow + k);
-        V::deinterleave2(pm0 + 2 * k, mfg + k, mfg + kCodeWindow + k);
-      }
-    } else {
-      for (int g = 0; g < groups; ++g)
-        for (int k = 0; k < kCodeWindow; ++k)
-          sfg[g * kCodeWindow + k] = ps0[k * groups + g], mfg[g * kCodeWindow + k] = pm0[k * groups + g];
-    }
+    const WindowRows r = window_scales<V, Bits>(t, tile, lo, j0, j1, sfg, mfg);
     for (int g = 0; g < groups; ++g) {
-      float* sf = sfg + g * kCodeWindow;
-      float* mf = mfg + g * kCodeWindow;
-      if (!full)
-        for (int k = 0; k < kCodeWindow; ++k)
-          if (k < kmin || k >= kmax) sf[k] = 0.0f, mf[k] = 0.0f;
-      for (int k = 0; k < kCodeWindow; k += V::N) V::storeu(mf + k, V::fmadd(V::set1(fcentre), V::loadu(sf + k), V::loadu(mf + k)));
       // Queries in batches of up to kSumBatch, which share each load of the codes.
       for (int i0 = 0; i0 < nq; i0 += kSumBatch) {
         const int nb = nq - i0 < kSumBatch ? nq - i0 : kSumBatch;
@@ -214,21 +249,8 @@ void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int h
         float* out[kSumBatch];
         for (int u = 0; u < nb; ++u) {
           const int i = i0 + u;
-          const float* pi = p + static_cast<std::size_t>(i) * p_stride;
-          const float* pv = pi + j0;  // the window's weights, zero outside [lo, hi)
-          if (!full) {
-            for (int k = 0; k < kCodeWindow; ++k) pw[k] = k >= kmin && k < kmax ? pi[j0 + k] : 0.0f;
-            pv = pw;
-          }
-          F bias = V::zero(), mx = V::zero();
-          for (int k = 0; k < kCodeWindow; k += V::N) {
-            const F wk = V::mul(V::loadu(pv + k), V::loadu(sf + k));
-            V::storeu(w + k, wk);
-            mx = abs_max<V>(mx, wk);
-            bias = V::fmadd(V::loadu(pv + k), V::loadu(mf + k), bias);
-          }
-          step[u] = round_codes_to<V>(w, kCodeWindow, V::hmax(mx), code_weight_max(kCodeWindow), w16 + u * kCodeWindow);
-          vbias[u] = V::hsum(bias);
+          step[u] = window_weights<V>(p + static_cast<std::size_t>(i) * p_stride, j0, r, sfg + g * kCodeWindow,
+                                      mfg + g * kCodeWindow, value_weight_max(Bits), w16 + u * kCodeWindow, vbias[u]);
           out[u] = o + static_cast<std::size_t>(i) * D;
         }
         switch (nb) {
@@ -247,6 +269,102 @@ template <class V, int Bits>
 typename V::W8 byte_codes(const std::byte* row, int c) {
   if constexpr (Bits == 4) return V::row4(row, c);
   else return V::row2(row, c);
+}
+
+// NB queries' value sums over a window of quads (4 rows each, interleaved
+// per channel by V::quads4: quads[q][chunk][k] holds channels chunk * 4N +
+// kN..), every group at once: out[u][c] += step[u][g] * sum + bias[u][g].
+// A register's N channels lie in one group (G is a multiple of 16).
+template <class V, int NB>
+void code_sum_quads(const typename V::W8* quads, int D, int nquads, int G, const std::int8_t* w8, const float* step,
+                    const float* bias, float* const* out) {
+  using I = typename V::I;
+  constexpr int CH = 4 * V::N;
+  const int groups = D / G, chunks = D / CH;
+  for (int ch = 0; ch < chunks; ++ch) {
+    int g[4];
+    for (int k = 0; k < 4; ++k) g[k] = (ch * CH + k * V::N) / G;
+    I acc[NB][4];
+#pragma GCC unroll 4
+    for (int u = 0; u < NB; ++u)
+      for (int k = 0; k < 4; ++k) acc[u][k] = V::zeroi();
+    for (int q = 0; q < nquads; ++q) {
+      const typename V::W8* z = quads + (static_cast<std::size_t>(q) * chunks + ch) * 4;
+#pragma GCC unroll 4
+      for (int u = 0; u < NB; ++u) {
+        const std::int8_t* wu = w8 + u * groups * kCodeWindow + 4 * q;
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) acc[u][k] = V::dot8(acc[u][k], V::quad8(wu + g[k] * kCodeWindow), z[k]);
+      }
+    }
+    for (int u = 0; u < NB; ++u)
+      for (int k = 0; k < 4; ++k) {
+        const int at = u * groups + g[k];
+        float* oc = out[u] + ch * CH + k * V::N;
+        V::storeu(oc, V::add(V::loadu(oc), V::fmadd(V::set1(step[at]), V::to_float(acc[u][k]), V::set1(bias[at]))));
+      }
+  }
+}
+
+// 4- and 2-bit values on bytes: four rows per int32 lane, so that one dot8
+// adds four rows' codes under their weights (7 bits, as every level rounds
+// them for these widths: the same integers as tile_code_sum_pairs).
+template <class V, int Bits>
+void tile_code_sum_quads(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
+                         int nq, float* o) {
+  using W8 = typename V::W8;
+  constexpr int CH = 4 * V::N;
+  const int D = t.head_dim, G = t.group, groups = D / G, chunks = D / CH;
+  alignas(64) W8 quads[kCodeWindow * kTileMaxHeadDim / CH];
+  alignas(64) float sfg[kTileMaxHeadDim / 16 * kCodeWindow], mfg[kTileMaxHeadDim / 16 * kCodeWindow];
+  alignas(64) std::int8_t w8[kSumBatch * kTileMaxHeadDim / 16 * kCodeWindow];
+  float step[kSumBatch * kTileMaxHeadDim / 16], bias[kSumBatch * kTileMaxHeadDim / 16];
+  for (int j0 = lo & ~3; j0 < hi; j0 += kCodeWindow) {
+    const int j1 = j0 + kCodeWindow < hi ? j0 + kCodeWindow : hi, nquads = (j1 - j0 + 3) / 4;
+    for (int q = 0; q < nquads; ++q)
+      for (int ch = 0; ch < chunks; ++ch) {
+        W8* z = quads + (static_cast<std::size_t>(q) * chunks + ch) * 4;
+        if constexpr (Bits == 2 && V::kRow2Quads) {
+          if (j0 + 4 * q + 3 < j1) {
+            V::quads_row2(tile + static_cast<std::size_t>(j0 + 4 * q) * t.row_bytes, t.row_bytes, ch * CH, z);
+            continue;
+          }
+        }
+        for (int k = 0; k < 4; ++k) {  // rows before lo weigh 0; rows past j1 may lie past the tile
+          const int j = j0 + 4 * q + k;
+          z[k] = j < j1 ? byte_codes<V, Bits>(tile + static_cast<std::size_t>(j) * t.row_bytes, ch * CH) : V::zero16();
+        }
+        V::quads4(z);
+      }
+    const WindowRows r = window_scales<V, Bits>(t, tile, lo, j0, j1, sfg, mfg);
+    for (int i0 = 0; i0 < nq; i0 += kSumBatch) {
+      const int nb = nq - i0 < kSumBatch ? nq - i0 : kSumBatch;
+      float* out[kSumBatch];
+      for (int u = 0; u < nb; ++u) {
+        const float* pi = p + static_cast<std::size_t>(i0 + u) * p_stride;
+        for (int g = 0; g < groups; ++g)
+          step[u * groups + g] = window_weights<V>(pi, j0, r, sfg + g * kCodeWindow, mfg + g * kCodeWindow,
+                                                   value_weight_max(Bits), w8 + (u * groups + g) * kCodeWindow,
+                                                   bias[u * groups + g]);
+        out[u] = o + static_cast<std::size_t>(i0 + u) * D;
+      }
+      switch (nb) {
+        case 1: code_sum_quads<V, 1>(quads, D, nquads, G, w8, step, bias, out); break;
+        case 2: code_sum_quads<V, 2>(quads, D, nquads, G, w8, step, bias, out); break;
+        case 3: code_sum_quads<V, 3>(quads, D, nquads, G, w8, step, bias, out); break;
+        default: code_sum_quads<V, 4>(quads, D, nquads, G, w8, step, bias, out); break;
+      }
+    }
+  }
+}
+
+template <class V, int Bits>
+void tile_code_sum_bits(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
+                        int nq, float* o) {
+  if constexpr (V::kValueBytes && byte_value_weights(Bits)) {
+    if (t.head_dim % (4 * V::N) == 0) return tile_code_sum_quads<V, Bits>(t, tile, lo, hi, p, p_stride, nq, o);
+  }
+  tile_code_sum_pairs<V, Bits>(t, tile, lo, hi, p, p_stride, nq, o);
 }
 
 // 4- and 2-bit keys on bytes: rows in groups of 4 kRows8, row j0 + 4L + k in

@@ -269,7 +269,7 @@ void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, con
           w[static_cast<std::size_t>(j - j0)] = pi[j] * sc;
           bias += pi[j] * std::fma(centre_of(t.bits), sc, fp16_to_fp32(mins[pj]));
         }
-        const float step = round_codes_ref(w.data(), kCodeWindow, code_weight_max(kCodeWindow), w16.data());
+        const float step = round_codes_ref(w.data(), kCodeWindow, value_weight_max(t.bits), w16.data());
         for (int c = g * G; c < (g + 1) * G; ++c) {
           std::int32_t sum = 0;
           for (int j = ja; j < j1; ++j)

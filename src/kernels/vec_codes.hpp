@@ -18,6 +18,12 @@
 // to_float(I), narrow16(p, I): N int32 (within int16 range) stored as int16
 // addi (int32 lanes), hmax (the largest float lane), narrow8 (N int32 as int8)
 // deinterleave2(x, even, odd): 2N floats x -> x[0], x[2], .. and x[1], x[3], ..
+// kValueBytes: value sums of 4- and 2-bit codes on bytes, with
+// quads4(r): 4 rows' byte codes of 4N channels (r[k] = row k) -> r[k] holds
+//   channels kN..kN+N-1, each as the 4 rows' bytes of one int32 lane
+// quad8(w): the 4 bytes w[0..3] in every int32 lane (dot8's unsigned side)
+// kRow2Quads: quads_row2(row, row_bytes, c, r) = quads4 of rows row.. row + 3
+//   of 2-bit codes (channels c..), read from the packed bytes directly
 //
 // 8-bit lanes, for 4-bit key codes (one byte per code, 4 x more per
 // instruction than int16): kRows8 rows per register, one per 128-bit lane.
@@ -152,6 +158,54 @@ struct VecCodes : Vec {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
   }
   static void narrow16(std::int16_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v)); }
+  static constexpr bool kValueBytes = true;
+  static W quad8(const std::int8_t* w) {
+    std::int32_t v;
+    std::memcpy(&v, w, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static void quads4(W* r) {
+    const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+    // Lane L of r[k]: channels 16L + 4k .. 16L + 4k + 3; transpose8 puts lane L's in r[L].
+    r[0] = _mm512_unpacklo_epi16(t0, t2), r[1] = _mm512_unpackhi_epi16(t0, t2);
+    r[2] = _mm512_unpacklo_epi16(t1, t3), r[3] = _mm512_unpackhi_epi16(t1, t3);
+    transpose8(r);
+  }
+  // quads4 of 4 rows of 2-bit codes straight from the packed bytes: row r's
+  // 16 bytes (channels c..c+63) in lane r; dword k of every row to each lane
+  // (channels c+16k..), then byte 4k+L of row r to byte r of the 4 int32 of
+  // lane L, each shifted to its channel's 2 bits.
+  static constexpr bool kRow2Quads = true;
+  static void quads_row2(const std::byte* row, std::size_t row_bytes, int c, W* r) {
+    const std::byte* src = row + c / 4;
+    __m512i packed;
+    if (row_bytes == 16) {
+      packed = _mm512_loadu_si512(src);
+    } else {
+      packed = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+      for (int k = 1; k < 4; ++k) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * row_bytes));
+        packed = k == 1 ? _mm512_inserti32x4(packed, x, 1) : k == 2 ? _mm512_inserti32x4(packed, x, 2) : _mm512_inserti32x4(packed, x, 3);
+      }
+    }
+    static constexpr std::array<std::uint8_t, 64> sel = [] {
+      std::array<std::uint8_t, 64> a{};
+      for (int L = 0; L < 4; ++L)
+        for (int m = 0; m < 4; ++m)
+          for (int rr = 0; rr < 4; ++rr) a[static_cast<std::size_t>(16 * L + 4 * m + rr)] = static_cast<std::uint8_t>(4 * rr + L);
+      return a;
+    }();
+    const __m512i pick = _mm512_loadu_si512(sel.data());
+    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+    const __m512i mask = _mm512_set1_epi8(3), centre = _mm512_set1_epi8(2);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i idx = _mm512_setr_epi32(k, 4 + k, 8 + k, 12 + k, k, 4 + k, 8 + k, 12 + k, k, 4 + k, 8 + k, 12 + k, k,
+                                            4 + k, 8 + k, 12 + k);
+      const __m512i x = _mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_permutexvar_epi32(idx, packed), pick), shifts);
+      r[k] = _mm512_sub_epi8(_mm512_and_si512(x, mask), centre);
+    }
+  }
   static void deinterleave2(const float* x, float* even, float* odd) {
     const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
     const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -250,6 +304,23 @@ struct VecCodes : Vec {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(v, v), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
+  static constexpr bool kValueBytes = true;
+  static W quad8(const std::int8_t* w) {
+    std::int32_t v;
+    std::memcpy(&v, w, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static void quads4(W* r) {
+    const __m256i t0 = _mm256_unpacklo_epi8(r[0], r[1]), t1 = _mm256_unpackhi_epi8(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi8(r[2], r[3]), t3 = _mm256_unpackhi_epi8(r[2], r[3]);
+    // Lane L: u0 channels 16L..16L+3, u1 +4.., u2 +8.., u3 +12..
+    const __m256i u0 = _mm256_unpacklo_epi16(t0, t2), u1 = _mm256_unpackhi_epi16(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi16(t1, t3), u3 = _mm256_unpackhi_epi16(t1, t3);
+    r[0] = _mm256_permute2x128_si256(u0, u1, 0x20), r[1] = _mm256_permute2x128_si256(u2, u3, 0x20);
+    r[2] = _mm256_permute2x128_si256(u0, u1, 0x31), r[3] = _mm256_permute2x128_si256(u2, u3, 0x31);
+  }
+  static constexpr bool kRow2Quads = false;
+  static void quads_row2(const std::byte*, std::size_t, int, W*) {}
   static void deinterleave2(const float* x, float* even, float* odd) {
     const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8);
     // shuffle_ps works per 128-bit lane: (a0 a2 b0 b2 | a4 a6 b4 b6), then the 64-bit pairs in order.
@@ -331,6 +402,9 @@ struct VecCodes : Vec {
   }
   static I reduce4(I a0, I a1, I a2, I a3) { return vpaddq_s32(vpaddq_s32(a0, a1), vpaddq_s32(a2, a3)); }
   static void narrow16(std::int16_t* p, I v) { vst1_s16(p, vmovn_s32(v)); }
+  // dot8 here sums bytes 2k, 2k + 1, 2k + 8, 2k + 9 into lane k: the value
+  // sums keep int16 pairs (the same integers).
+  static constexpr bool kValueBytes = false;
   static void deinterleave2(const float* x, float* even, float* odd) {
     const float32x4_t a = vld1q_f32(x), b = vld1q_f32(x + 4);
     vst1q_f32(even, vuzp1q_f32(a, b));

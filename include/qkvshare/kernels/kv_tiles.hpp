@@ -73,10 +73,15 @@ inline constexpr bool byte_query_codes(int bits) noexcept { return bits == 4 || 
 inline constexpr int query_code_max(int bits, int head_dim) noexcept {
   return byte_query_codes(bits) ? 127 : code_weight_max(head_dim);
 }
-// Value weights are rounded to 16 bits per window of kCodeWindow rows, from
-// a multiple of 4 (measured: bytes over 4-bit values were no faster here,
-// the per-query rounding dominates a 32-row tile).
+// Value weights are rounded per window of kCodeWindow rows, from a multiple
+// of 4: to 7 bits for 4- and 2-bit values (whose codes are then summed as
+// bytes, four rows per dot-product instruction, where the level can; the
+// weights' rounding error stays far below the codes' own), else to 16 bits.
 inline constexpr int kCodeWindow = 32;
+inline constexpr bool byte_value_weights(int bits) noexcept { return bits == 4 || bits == 2; }
+inline constexpr int value_weight_max(int bits) noexcept {
+  return byte_value_weights(bits) ? 127 : code_weight_max(kCodeWindow);
+}
 
 // q [nq][head_dim] -> qc [nq][head_dim] (int8 for 4- and 2-bit keys, else int16:
 // query_code_max) and ab [nq][2] such that
