@@ -183,11 +183,9 @@ struct VecCodes : Vec {
     if (row_bytes == 16) {
       packed = _mm512_loadu_si512(src);
     } else {
-      packed = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-      for (int k = 1; k < 4; ++k) {
-        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * row_bytes));
-        packed = k == 1 ? _mm512_inserti32x4(packed, x, 1) : k == 2 ? _mm512_inserti32x4(packed, x, 2) : _mm512_inserti32x4(packed, x, 3);
-      }
+      const auto row_at = [&](std::size_t k) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * row_bytes)); };
+      packed = _mm512_inserti32x4(_mm512_castsi128_si512(row_at(0)), row_at(1), 1);
+      packed = _mm512_inserti32x4(_mm512_inserti32x4(packed, row_at(2), 2), row_at(3), 3);
     }
     static constexpr std::array<std::uint8_t, 64> sel = [] {
       std::array<std::uint8_t, 64> a{};
@@ -320,7 +318,6 @@ struct VecCodes : Vec {
     r[2] = _mm256_permute2x128_si256(u0, u1, 0x31), r[3] = _mm256_permute2x128_si256(u2, u3, 0x31);
   }
   static constexpr bool kRow2Quads = false;
-  static void quads_row2(const std::byte*, std::size_t, int, W*) {}
   static void deinterleave2(const float* x, float* even, float* odd) {
     const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8);
     // shuffle_ps works per 128-bit lane: (a0 a2 b0 b2 | a4 a6 b4 b6), then the 64-bit pairs in order.
