@@ -10,8 +10,9 @@ re-prefill `kl`, KL to the same-format text re-prefill `kl_text`, TTFTs).
 
 A splice is *bad* when its KL to the text re-prefill it replaces (same KV
 format: the fallback the guard would choose) exceeds --bad-kl (0.02). The
-threshold is chosen on the even cases (the largest estimate threshold whose
-false-accept rate stays <= 5% there) and the rates are reported on the odd
+threshold is chosen on the even cases (of the estimate thresholds whose
+false-accept rate stays <= 5% there, the smallest that accepts the most good
+splices) and the rates are reported on the odd
 cases it never saw, and on all. No third-party packages: the plot is plain SVG.
 """
 import argparse
@@ -30,13 +31,17 @@ def rates(rows, t, key, bad_kl):
 
 
 def calibrate(rows, key, bad_kl, max_fa):
-    # Candidate thresholds: every estimate (and 0). Largest t with FA <= max_fa.
+    # Candidate thresholds: every estimate (and 0). Among those with FA <= max_fa,
+    # the smallest that lets the most good splices through: a threshold that only
+    # adds bad splices gains nothing, so a format without a good splice gets 0
+    # (every splice in it is recomputed up to text).
     cands = sorted({0.0} | {r["estimate"] for r in rows})
-    best = 0.0
+    best, best_good = 0.0, -1
     for t in cands:
         fa, _, _, _ = rates(rows, t, key, bad_kl)
-        if fa <= max_fa:
-            best = t
+        good = sum(r[key] <= bad_kl and r["estimate"] <= t for r in rows)
+        if fa <= max_fa and good > best_good:
+            best, best_good = t, good
     return best
 
 

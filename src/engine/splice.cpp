@@ -11,7 +11,7 @@ namespace qkvshare {
 
 double guard_threshold(const KvFormat& format) {
   const int bits = std::min(format.k.bits(), format.v.bits());
-  return bits >= 8 ? 0.2364 : bits >= 4 ? 0.1241 : 0.5013;
+  return bits >= 8 ? 0.2364 : 0.0;  // below 8 bits no estimate passes: recomputed up to text
 }
 
 int recompute_count(double fraction, int n) {

@@ -46,10 +46,13 @@ struct SpliceResult {
 };
 
 // The guard's thresholds calibrated per KV format by bench/splice_calibrate.py
-// on 216 splices of SmolLM2-135M (bench/results/splice_guard.md): the largest
-// estimate whose false-accept rate stays <= 5% on the calibration half, for
-// "bad" = KL to the same-format text re-prefill > 0.02. Keyed by the smaller
-// of the K and V bit widths: >= 8 bits 0.2364, 4-7 bits 0.1241, < 4 bits 0.5013.
+// on 216 splices of SmolLM2-135M (bench/results/splice_guard.md): of the
+// estimates whose false-accept rate stays <= 5% on the calibration half, the
+// smallest that lets the most good splices through, for "bad" = KL to the
+// same-format text re-prefill > 0.02. Keyed by the smaller of the K and V bit
+// widths: >= 8 bits 0.2364; below, 0 (no int4 splice of the calibration half
+// was good and none of int2's at all: a threshold above 0 would only let bad
+// ones through, so the guard recomputes those splices up to a text handoff).
 double guard_threshold(const KvFormat& format);
 
 // The number of tokens a fraction recomputes: round(fraction * n).
