@@ -1,4 +1,5 @@
 // qkvshare run / demo: multi-agent workflows, alone or compared across modes.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <unistd.h>
@@ -34,6 +35,7 @@ struct RunArgs {
   std::string kv_budget, spill_dir, key, demote;
   bool no_prefetch = false;
   int lease_ms = 30000;
+  bool mode_given = false, kv_given = false;  // --mode / --kv on the command line
 };
 
 void print_outputs(const RunReport& r) {
@@ -103,10 +105,19 @@ void execute(const Workflow& wf, const RunArgs& a) {
     if (!a.json.empty()) write_file(a.json, r.json());
     return;
   }
-  const auto runs = compare_modes(wf, a.model.model_path, a.model.tokenizer_path, opts,
-                                  a.modes.empty() ? default_comparison() : parse_mode_specs(a.modes));
+  // A comparison runs every mode: --mode would pick none of them, and --kv
+  // names the qkvshare run whose replies and steps are printed (int8 unless given).
+  if (a.mode_given) fail(ErrorCode::invalid_argument, "--mode: a comparison runs every mode; choose them with --modes");
+  std::vector<ModeSpec> specs = a.modes.empty() ? default_comparison() : parse_mode_specs(a.modes);
+  const auto shown = [&](const ModeSpec& m) { return m.mode == RunMode::qkvshare && m.kv == a.kv; };
+  if (a.kv_given && std::none_of(specs.begin(), specs.end(), shown)) {
+    if (!a.modes.empty())
+      fail(ErrorCode::invalid_argument, "--kv {}: qkvshare:{} is not among --modes '{}'", a.kv, a.kv, a.modes);
+    specs.push_back({RunMode::qkvshare, a.kv});
+  }
+  const auto runs = compare_modes(wf, a.model.model_path, a.model.tokenizer_path, opts, specs);
   for (const auto& r : runs)
-    if (r.spec.mode == RunMode::qkvshare && r.spec.kv == "int8") print_outputs(r.report);
+    if (shown(r.spec)) print_outputs(r.report);
   std::printf("\n%s", format_comparison(runs).c_str());
   std::printf("peak RSS: getrusage(RUSAGE_CHILDREN-style wait4) of a fresh child process per mode; independent "
               "agents hold private weight copies.\n");
@@ -167,7 +178,11 @@ void register_run(CLI::App& app) {
   cmd->add_option("-m,--model", run->model.model_path, "Model file")->required();
   cmd->add_option("-t,--tokenizer", run->model.tokenizer_path, "Tokenizer (llama2.c models only)");
   add_common(*cmd, *run);
-  cmd->callback([run] { execute(Workflow::load(run->workflow), *run); });
+  cmd->callback([run, cmd] {
+    run->mode_given = cmd->count("--mode") > 0;
+    run->kv_given = cmd->count("--kv") > 0;
+    execute(Workflow::load(run->workflow), *run);
+  });
 
   auto demo = std::make_shared<RunArgs>();
   demo->compare = true;
@@ -176,7 +191,9 @@ void register_run(CLI::App& app) {
   dcmd->add_option("-t,--tokenizer", demo->model.tokenizer_path, "Tokenizer (llama2.c models only)");
   add_common(*dcmd, *demo);
   dcmd->add_flag("!--no-compare", demo->compare, "Only the QKVShare run");
-  dcmd->callback([demo] {
+  dcmd->callback([demo, dcmd] {
+    demo->mode_given = dcmd->count("--mode") > 0;
+    demo->kv_given = dcmd->count("--kv") > 0;
     if (demo->model.model_path.empty()) demo->model.model_path = default_model_path();
     if (!std::filesystem::exists(demo->model.model_path))
       fail(ErrorCode::io, "{}: model not found: run scripts/fetch_model.sh or pass -m MODEL", demo->model.model_path);

@@ -84,6 +84,8 @@ expect_error "cycle" run "$tmp/cycle.yaml" -m "$S" -t "$T"
 expect_error "syntax.yaml:" run "$tmp/syntax.yaml" -m "$S" -t "$T"
 expect_error "missing.yaml" run "$tmp/missing.yaml" -m "$S" -t "$T"
 expect_error "--mode" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --mode sideways
+expect_error "a comparison runs every mode" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --compare --mode qkvshare
+expect_error "qkvshare:int4 is not among --modes" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --compare --kv int4 --modes shared-text:f32,qkvshare:int8
 expect_error "model not found" demo -m "$tmp/none.gguf"
 
 # --help works on every command.
