@@ -4,7 +4,8 @@
 // (bytes read, decode work) from the weight matmuls that dominate a real
 // step. Shape defaults to SmolLM2-135M (30 layers, 9 heads, 3 KV heads, 64).
 //
-//   bench_kv [--depth 2048] [--steps 64] [--threads 2] [--formats f16,int8,int4,...] [--path auto|scalar|avx2|avx512]
+//   bench_kv [--depth 2048] [--steps 64] [--threads 2] [--formats f16,int8,int4,...] [--path auto|scalar|avx2|avx512|neon]
+//            [--block-tokens 32] [--head-dim 64]
 //            [--tiles codes|decode]   (attention on integer codes, or each tile decoded to f32 first)
 //            [--pq-tables off|on]     (pq tiles through per-query lookup tables instead of decoded)
 // Prints a table on stdout and one JSON object per format on stderr.
@@ -18,6 +19,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
@@ -92,24 +95,23 @@ Timing run(const KvShape& s, const KvFormat& f, int depth, int steps, int block,
 int main(int argc, char** argv) {
   int depth = 2048, steps = 64, n_threads = 1, block = 32;
   std::string formats = "f32,f16,int8,k8v4,int4,int3,int2,int2:window=128:sink=32";
-  std::string path_name = "auto";
+  std::string path_name = "auto", tiles = "codes", pq_tables = "off";
   KvShape shape{30, 9, 3, 64};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--depth") depth = std::atoi(v.c_str());
-    else if (a == "--steps") steps = std::atoi(v.c_str());
-    else if (a == "--threads") n_threads = std::atoi(v.c_str());
-    else if (a == "--formats") formats = v;
-    else if (a == "--block-tokens") block = std::atoi(v.c_str());  // the pool's block size (a power of two)
-    else if (a == "--path") path_name = v;
-    else if (a == "--head-dim") shape.head_dim = std::atoi(v.c_str());
-    else if (a == "--tiles") kv::set_codes_attention(v != "decode");  // codes (default) | decode
-    else if (a == "--pq-tables") kv::set_pq_lookup_tables(v == "on");  // off (default) | on
-    else {
-      std::fprintf(stderr, "unknown option %s\n", a.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"Attention-only decode step of each KV format (no model): write + attend over every layer"};
+  app.add_option("--depth", depth, "Context tokens before the timed steps")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--steps", steps, "Timed decode steps (best of)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--threads", n_threads, "Threads of the attention")->check(CLI::Range(1, 1024));
+  app.add_option("--formats", formats, "KV formats, comma separated");
+  app.add_option("--block-tokens", block, "The pool's block size (a power of two)")->check(CLI::Range(1, 1 << 16));
+  app.add_option("--path", path_name, "Attention kernels")->check(CLI::IsMember({"auto", "scalar", "avx2", "avx512", "neon"}));
+  app.add_option("--head-dim", shape.head_dim, "Head dimension of the synthetic shape")->check(CLI::Range(1, 1024));
+  app.add_option("--tiles", tiles, "Attention on integer codes, or each tile decoded to f32 first")
+      ->check(CLI::IsMember({"codes", "decode"}));
+  app.add_option("--pq-tables", pq_tables, "pq tiles through per-query lookup tables instead of decoded")
+      ->check(CLI::IsMember({"off", "on"}));
+  CLI11_PARSE(app, argc, argv);
+  kv::set_codes_attention(tiles == "codes");
+  kv::set_pq_lookup_tables(pq_tables == "on");
   const AttendPath path = path_name == "scalar"   ? AttendPath::scalar
                           : path_name == "avx2"   ? AttendPath::avx2
                           : path_name == "avx512" ? AttendPath::avx512

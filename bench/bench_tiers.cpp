@@ -26,6 +26,7 @@
 #include <CLI/CLI.hpp>
 #include <thread>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -154,7 +155,12 @@ int main(int argc, char** argv) {
     std::vector<int> sizes;
     for (std::size_t p = 0; p <= sizes_text.size();) {
       const std::size_t e = std::min(sizes_text.find(',', p), sizes_text.size());
-      sizes.push_back(std::stoi(sizes_text.substr(p, e - p)));
+      const std::string item = sizes_text.substr(p, e - p);
+      int size = 0;
+      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), size);
+      if (ec != std::errc{} || end != item.data() + item.size() || size < 1)
+        fail(ErrorCode::invalid_argument, "--sizes: '{}' is not a positive token count", item);
+      sizes.push_back(size);
       p = e + 1;
     }
     std::vector<std::string> formats;
