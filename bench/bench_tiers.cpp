@@ -136,10 +136,20 @@ steps:
 
 int main(int argc, char** argv) {
   CLI::App app("Memory tiers: spill / open from disk vs re-prefill; TTFT with and without prefetch");
-  std::string model_path, json_path, sizes_text = "2048,16384", formats_text = "f16,int8,int4,int2";
+  std::string model_path, json_path, formats_text = "f16,int8,int4,int2";
+  std::vector<int> sizes{2048, 16384};
   int reps = 5, prefill_max = 2048, ttft_reps = 3, threads = 0;
   app.add_option("--model", model_path, "SmolLM2 GGUF (default: $QKVSHARE_MODEL)");
-  app.add_option("--sizes", sizes_text, "Context sizes in tokens");
+  const CLI::Validator token_count(
+      [](std::string& item) {
+        int v = 0;
+        const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+        return ec == std::errc{} && end == item.data() + item.size() && v >= 1
+                   ? std::string()
+                   : "'" + item + "' is not a positive token count";
+      },
+      "TOKENS");
+  app.add_option("--sizes", sizes, "Context sizes in tokens")->delimiter(',')->check(token_count);
   app.add_option("--formats", formats_text, "KV formats");
   app.add_option("--reps", reps, "Repetitions of the disk measurements");
   app.add_option("--prefill", prefill_max, "Largest size re-prefilled on the real model");
@@ -151,17 +161,6 @@ int main(int argc, char** argv) {
     if (model_path.empty()) {
       if (const char* env = std::getenv("QKVSHARE_MODEL")) model_path = env;
       else model_path = std::string(std::getenv("HOME")) + "/.cache/qkvshare/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    }
-    std::vector<int> sizes;
-    for (std::size_t p = 0; p <= sizes_text.size();) {
-      const std::size_t e = std::min(sizes_text.find(',', p), sizes_text.size());
-      const std::string item = sizes_text.substr(p, e - p);
-      int size = 0;
-      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), size);
-      if (ec != std::errc{} || end != item.data() + item.size() || size < 1)
-        fail(ErrorCode::invalid_argument, "--sizes: '{}' is not a positive token count", item);
-      sizes.push_back(size);
-      p = e + 1;
     }
     std::vector<std::string> formats;
     for (std::size_t p = 0; p <= formats_text.size();) {
