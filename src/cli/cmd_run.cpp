@@ -139,8 +139,11 @@ void add_common(CLI::App& cmd, RunArgs& a) {
   cmd.add_flag("--float-activations", a.model.float_activations,
                "The SIMD kernels with float activations (weights dequantized to f32 once, 4 bytes per weight, "
                "counted in the report's weight bytes)");
-  cmd.add_option("--mode", a.mode, "independent, shared-text or qkvshare");
-  cmd.add_option("--kv", a.kv, "KV format of qkvshare mode (f32, f16, int8, int4, int3, int2, kXvY[:options])");
+  cmd.add_option("--mode", a.mode, "independent, shared-text or qkvshare")->each([&a](const std::string&) {
+    a.mode_given = true;
+  });
+  cmd.add_option("--kv", a.kv, "KV format of qkvshare mode (f32, f16, int8, int4, int3, int2, kXvY[:options])")
+      ->each([&a](const std::string&) { a.kv_given = true; });
   cmd.add_option("--ctx", a.ctx, "Token capacity of each session")->check(CLI::Range(16, 1 << 20));
   cmd.add_option("--max-tokens", a.max_tokens, "Cap every agent's new tokens (0: as the workflow says)")
       ->check(CLI::Range(0, 1 << 20));
@@ -178,11 +181,7 @@ void register_run(CLI::App& app) {
   cmd->add_option("-m,--model", run->model.model_path, "Model file")->required();
   cmd->add_option("-t,--tokenizer", run->model.tokenizer_path, "Tokenizer (llama2.c models only)");
   add_common(*cmd, *run);
-  cmd->callback([run, cmd] {
-    run->mode_given = cmd->count("--mode") > 0;
-    run->kv_given = cmd->count("--kv") > 0;
-    execute(Workflow::load(run->workflow), *run);
-  });
+  cmd->callback([run] { execute(Workflow::load(run->workflow), *run); });
 
   auto demo = std::make_shared<RunArgs>();
   demo->compare = true;
@@ -191,9 +190,7 @@ void register_run(CLI::App& app) {
   dcmd->add_option("-t,--tokenizer", demo->model.tokenizer_path, "Tokenizer (llama2.c models only)");
   add_common(*dcmd, *demo);
   dcmd->add_flag("!--no-compare", demo->compare, "Only the QKVShare run");
-  dcmd->callback([demo, dcmd] {
-    demo->mode_given = dcmd->count("--mode") > 0;
-    demo->kv_given = dcmd->count("--kv") > 0;
+  dcmd->callback([demo] {
     if (demo->model.model_path.empty()) demo->model.model_path = default_model_path();
     if (!std::filesystem::exists(demo->model.model_path))
       fail(ErrorCode::io, "{}: model not found: run scripts/fetch_model.sh or pass -m MODEL", demo->model.model_path);
