@@ -2,18 +2,22 @@
 """Calibrates the splice guard and summarizes the splice sweep.
 
 Input: the JSON lines of `qkvshare splice-eval` (one line per real splice:
-format, recompute fraction, the guard's estimate, KL to the f32 text
-re-prefill `kl`, KL to the same-format text re-prefill `kl_text`, TTFTs).
+format, recompute fraction, the guard's estimate (K and V deviation), the V
+deviation alone `v_dev`, KL to the f32 text re-prefill `kl`, KL to the
+same-format text re-prefill `kl_text`, KL to the guard's own fallback
+`kl_fallback`, TTFTs).
 
     python3 bench/splice_calibrate.py bench/results/splice_eval_smollm2.jsonl \
         --svg docs/img/splice_kl_vs_recompute.svg --json bench/results/splice_guard.json
 
 A splice is *bad* when its KL to the text re-prefill it replaces (same KV
-format: the fallback the guard would choose) exceeds --bad-kl (0.02). The
-threshold is chosen on the even cases (of the estimate thresholds whose
-false-accept rate stays <= 5% there, the smallest that accepts the most good
-splices) and the rates are reported on the odd
-cases it never saw, and on all. No third-party packages: the plot is plain SVG.
+format) exceeds --bad-kl (0.02). The threshold is chosen on one half of the
+cases (of the estimate thresholds whose false-accept rate stays <= 5% there,
+the smallest that accepts the most good splices) and the rates are reported on
+the other half, which it never saw, and on all. The halves are split by a
+case's slot within its source text, so that both hold every source; a second
+table calibrates on one source and reports on the other (a shift of domain).
+No third-party packages: the plot is plain SVG.
 """
 import argparse
 import json
@@ -22,27 +26,72 @@ import sys
 from collections import defaultdict
 
 
-def rates(rows, t, key, bad_kl):
+def rates(rows, t, key, bad_kl, est="estimate"):
     bad = [r for r in rows if r[key] > bad_kl]
     good = [r for r in rows if r[key] <= bad_kl]
-    fa = sum(r["estimate"] <= t for r in bad) / len(bad) if bad else 0.0
-    fr = sum(r["estimate"] > t for r in good) / len(good) if good else 0.0
+    fa = sum(r[est] <= t for r in bad) / len(bad) if bad else 0.0
+    fr = sum(r[est] > t for r in good) / len(good) if good else 0.0
     return fa, fr, len(bad), len(good)
 
 
-def calibrate(rows, key, bad_kl, max_fa):
+def calibrate(rows, key, bad_kl, max_fa, est="estimate"):
     # Candidate thresholds: every estimate (and 0). Among those with FA <= max_fa,
     # the smallest that lets the most good splices through: a threshold that only
     # adds bad splices gains nothing, so a format without a good splice gets 0
     # (every splice in it is recomputed up to text).
-    cands = sorted({0.0} | {r["estimate"] for r in rows})
+    cands = sorted({0.0} | {r[est] for r in rows})
     best, best_good = 0.0, -1
     for t in cands:
-        fa, _, _, _ = rates(rows, t, key, bad_kl)
-        good = sum(r[key] <= bad_kl and r["estimate"] <= t for r in rows)
+        fa, _, _, _ = rates(rows, t, key, bad_kl, est)
+        good = sum(r[key] <= bad_kl and r[est] <= t for r in rows)
         if fa <= max_fa and good > best_good:
             best, best_good = t, good
     return best
+
+
+def auc(rows, key, bad_kl, est):
+    """P(a bad splice's estimate > a good one's): how well the estimate ranks."""
+    bad = [r[est] for r in rows if r[key] > bad_kl]
+    good = [r[est] for r in rows if r[key] <= bad_kl]
+    if not bad or not good:
+        return float("nan")
+    return sum((g < b) + 0.5 * (g == b) for g in good for b in bad) / (len(bad) * len(good))
+
+
+def ladder_report(rows, summary, bad_kl, start=0.15, ladder=(0.5, 1.0)):
+    """The guard as a workflow runs it: start at 15%, escalate while the estimate
+    is above the format's threshold (the held-out calibration's, per format),
+    and where it ends; each case's splice at the fraction it ends on."""
+    th = {fmt: v["threshold"] for fmt, v in summary.get("per_format", {}).get("estimate", {}).items()
+          if fmt != "pooled" and isinstance(v, dict) and "threshold" in v}
+    by = defaultdict(dict)
+    for r in rows:
+        by[(r["format"], r["case"])][r["fraction"]] = r
+    steps = (start,) + ladder
+    if not th or not all(all(f in d for f in steps) for d in by.values()):
+        return
+    print(f"\nThe guard in use: splices start at {start:g}, the estimate above the format's threshold raises the "
+          f"fraction to {', then '.join(f'{f:g}' for f in ladder)} (1 = text); where each case ends:\n")
+    print("| KV | cases | ends at " + " | ends at ".join(f"{f:g}" for f in steps) +
+          " | mean KL vs same-format text | max | bad (> " + f"{bad_kl:g}) | mean KL vs f32 text |")
+    print("|---|---|" + "---|" * len(steps) + "---|---|---|---|")
+    for fmt in sorted(th):
+        ends = []
+        for (f2, _), d in sorted(by.items()):
+            if f2 != fmt:
+                continue
+            for f in steps:
+                if f == 1.0 or d[f]["estimate"] <= th[fmt]:
+                    ends.append((f, d[f]))
+                    break
+        counts = [sum(1 for f, _ in ends if f == x) for x in steps]
+        kls = [r["kl_text"] for _, r in ends]
+        summary.setdefault("guard_in_use", {})[fmt] = {
+            "ends_at": dict(zip([str(x) for x in steps], counts)), "mean_kl_text": st.mean(kls), "max_kl_text": max(kls),
+            "bad": sum(k > bad_kl for k in kls), "mean_kl": st.mean(r["kl"] for _, r in ends)}
+        print(f"| {fmt} | {len(ends)} | " + " | ".join(str(c) for c in counts) +
+              f" | {st.mean(kls):.4f} | {max(kls):.4f} | {sum(k > bad_kl for k in kls)} | "
+              f"{st.mean(r['kl'] for _, r in ends):.4f} |")
 
 
 def svg_plot(series, path, title):
@@ -113,16 +162,25 @@ def main():
           ", ".join(f"{k} {v:.4f}" for k, v in floors.items()))
     # The guard decides on the splices that reuse something.
     reused = [r for r in rows if r["reused"] > 0]
-    calib = [r for r in reused if r["case"] % 2 == 0]
-    held = [r for r in reused if r["case"] % 2 == 1]
+    n_sources = len({r["source"] for r in rows})
+    calib = [r for r in reused if (r["case"] // n_sources) % 2 == 0]
+    held = [r for r in reused if (r["case"] // n_sources) % 2 == 1]
     summary = {"splices": len(rows), "guarded_splices": len(reused), "bad_kl": a.bad_kl, "floors": floors}
-    print(f"\nGuard on {len(reused)} splices that reuse KV (bad: KL > {a.bad_kl}):\n")
-    print("| target | threshold (from even cases) | set | bad / good | false accept | false reject |")
+    fb = [r for r in rows if "kl_fallback" in r]
+    if fb:
+        one = [r for r in fb if r["reused"] == 0]
+        print("\nThe guard's own fallback (the consumer's prefix cached, every spliced token recomputed in one pass) "
+              f"against the one-pass text re-prefill: mean KL {st.mean(r['kl_text'] for r in one):.4f} over "
+              f"{len(one)} cases; splices judged bad against it / against the one-pass text: "
+              f"{sum(r['kl_fallback'] > a.bad_kl for r in reused)} / {sum(r['kl_text'] > a.bad_kl for r in reused)}")
+    print(f"\nGuard on {len(reused)} splices that reuse KV (bad: KL > {a.bad_kl}); calibrated on the cases of "
+          "even slot in their source, held out: odd slots:\n")
+    print("| target | threshold (calibration half) | set | bad / good | false accept | false reject |")
     print("|---|---|---|---|---|---|")
     for key, name in (("kl_text", "KL vs same-format text"), ("kl", "KL vs f32 text")):
         t = calibrate(calib, key, a.bad_kl, a.max_fa)
         summary[key] = {"threshold": t}
-        for setname, s in (("even (calibration)", calib), ("odd (held out)", held), ("all", reused)):
+        for setname, s in (("calibration", calib), ("held out", held), ("all", reused)):
             fa, fr, nb, ng = rates(s, t, key, a.bad_kl)
             summary[key][setname] = {"false_accept": fa, "false_reject": fr, "bad": nb, "good": ng}
             print(f"| {name} | {t:.4f} | {setname} | {nb} / {ng} | {100 * fa:.1f}% | {100 * fr:.1f}% |")
@@ -130,25 +188,54 @@ def main():
             fa, fr, nb, ng = rates(reused, t2, key, a.bad_kl)
             summary[key][f"all at {t2}"] = {"false_accept": fa, "false_reject": fr}
             print(f"| {name} | {t2:.4f} (fixed) | all | {nb} / {ng} | {100 * fa:.1f}% | {100 * fr:.1f}% |")
-    # Per KV format: one threshold each (the guard knows the format).
-    print("\nOne threshold per KV format (target: KL vs same-format text), calibrated on the even cases:\n")
-    print("| KV | threshold | bad / good (all) | false accept (odd) | false reject (odd) | false accept (all) | false reject (all) |")
-    print("|---|---|---|---|---|---|---|")
-    fa_n = fr_n = nbad = ngood = 0
-    for fmt in sorted({r["format"] for r in reused}):
-        c = [r for r in calib if r["format"] == fmt]
-        h = [r for r in held if r["format"] == fmt]
-        al = [r for r in reused if r["format"] == fmt]
-        t = calibrate(c, "kl_text", a.bad_kl, a.max_fa)
-        fa_h, fr_h, _, _ = rates(h, t, "kl_text", a.bad_kl)
-        fa, fr, nb, ng = rates(al, t, "kl_text", a.bad_kl)
-        fa_n += fa * nb
-        fr_n += fr * ng
-        nbad += nb
-        ngood += ng
-        summary.setdefault("per_format", {})[fmt] = {"threshold": t, "false_accept": fa, "false_reject": fr}
-        print(f"| {fmt} | {t:.4f} | {nb} / {ng} | {100 * fa_h:.1f}% | {100 * fr_h:.1f}% | {100 * fa:.1f}% | {100 * fr:.1f}% |")
-    print(f"| pooled | | {nbad} / {ngood} | | | {100 * fa_n / max(1, nbad):.1f}% | {100 * fr_n / max(1, ngood):.1f}% |")
+    # Per KV format: one threshold each (the guard knows the format), for the
+    # guard's estimate (K and V) and for V alone (the estimate before, and what
+    # the guard uses where keys are not compared).
+    ests = [("estimate", "K+V (the guard)")] + ([("v_dev", "V alone")] if "v_dev" in rows[0] else [])
+    for est, ename in ests:
+        print(f"\nOne threshold per KV format, estimate {ename}, target KL vs same-format text:\n")
+        print("| KV | threshold | bad / good (all) | ranking (AUC) | false accept (held out) | false reject (held out) | "
+              "false accept (all) | false reject (all) |")
+        print("|---|---|---|---|---|---|---|---|")
+        tot = defaultdict(float)
+        for fmt in sorted({r["format"] for r in reused}):
+            c = [r for r in calib if r["format"] == fmt]
+            h = [r for r in held if r["format"] == fmt]
+            al = [r for r in reused if r["format"] == fmt]
+            t = calibrate(c, "kl_text", a.bad_kl, a.max_fa, est)
+            fa_h, fr_h, nb_h, ng_h = rates(h, t, "kl_text", a.bad_kl, est)
+            fa, fr, nb, ng = rates(al, t, "kl_text", a.bad_kl, est)
+            for k, v in (("fa_h", fa_h * nb_h), ("fr_h", fr_h * ng_h), ("b_h", nb_h), ("g_h", ng_h),
+                         ("fa", fa * nb), ("fr", fr * ng), ("b", nb), ("g", ng)):
+                tot[k] += v
+            au = auc(al, "kl_text", a.bad_kl, est)
+            summary.setdefault("per_format", {}).setdefault(est, {})[fmt] = {
+                "threshold": t, "auc": au, "false_accept_held_out": fa_h, "false_reject_held_out": fr_h,
+                "false_accept": fa, "false_reject": fr}
+            print(f"| {fmt} | {t:.4f} | {nb} / {ng} | {au:.3f} | {100 * fa_h:.1f}% | {100 * fr_h:.1f}% | "
+                  f"{100 * fa:.1f}% | {100 * fr:.1f}% |")
+        pooled = {"false_accept_held_out": tot["fa_h"] / max(1, tot["b_h"]),
+                  "false_reject_held_out": tot["fr_h"] / max(1, tot["g_h"]),
+                  "false_accept": tot["fa"] / max(1, tot["b"]), "false_reject": tot["fr"] / max(1, tot["g"])}
+        summary["per_format"][est]["pooled"] = pooled
+        print(f"| pooled | | {int(tot['b'])} / {int(tot['g'])} | | {100 * pooled['false_accept_held_out']:.1f}% | "
+              f"{100 * pooled['false_reject_held_out']:.1f}% | {100 * pooled['false_accept']:.1f}% | "
+              f"{100 * pooled['false_reject']:.1f}% |")
+        if n_sources > 1:
+            # Domain shift: thresholds from one source's cases, rates on the others'.
+            fa_n = fr_n = nb_n = ng_n = 0
+            for src in sorted({r["source"] for r in reused}):
+                for fmt in sorted({r["format"] for r in reused}):
+                    c = [r for r in reused if r["format"] == fmt and r["source"] == src]
+                    h = [r for r in reused if r["format"] == fmt and r["source"] != src]
+                    t = calibrate(c, "kl_text", a.bad_kl, a.max_fa, est)
+                    fa, fr, nb, ng = rates(h, t, "kl_text", a.bad_kl, est)
+                    fa_n, fr_n, nb_n, ng_n = fa_n + fa * nb, fr_n + fr * ng, nb_n + nb, ng_n + ng
+            shift = {"false_accept": fa_n / max(1, nb_n), "false_reject": fr_n / max(1, ng_n)}
+            summary["per_format"][est]["across_sources"] = shift
+            print(f"\nCalibrated on one source, measured on the other (both ways, pooled): false accept "
+                  f"{100 * shift['false_accept']:.1f}%, false reject {100 * shift['false_reject']:.1f}%")
+    ladder_report(rows, summary, a.bad_kl)
     if a.svg:
         series = {}
         for fmt in sorted({r["format"] for r in rows}):

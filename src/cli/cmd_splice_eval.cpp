@@ -114,10 +114,11 @@ void run_splice_eval(const SpliceEvalArgs& a) {
     for (const auto& s : samples)
       std::fprintf(out,
                    "{\"case\": %d, \"source\": %zu, \"format\": \"%s\", \"fraction\": %.4f, \"estimate\": %.6f, "
-                   "\"kl\": %.6f, \"kl_text\": %.6f, \"text_kl\": %.6f, \"top1\": %.4f, \"nll\": %.5f, \"recomputed\": %d, \"reused\": %d, "
-                   "\"ttft_splice\": %.5f, \"ttft_text\": %.5f}\n",
-                   i, static_cast<std::size_t>(i) % texts.size(), s.format.c_str(), s.fraction, s.estimate, s.kl, s.kl_text, s.text_kl,
-                   s.top1, s.nll, s.recomputed, s.reused, s.ttft_splice, s.ttft_text);
+                   "\"kl\": %.6f, \"kl_text\": %.6f, \"text_kl\": %.6f, \"kl_fallback\": %.6f, \"fallback_kl\": %.6f, "
+                   "\"top1\": %.4f, \"nll\": %.5f, \"recomputed\": %d, \"reused\": %d, "
+                   "\"ttft_splice\": %.5f, \"ttft_text\": %.5f, \"v_dev\": %.6f, \"k_dev\": %.6f}\n",
+                   i, static_cast<std::size_t>(i) % texts.size(), s.format.c_str(), s.fraction, s.estimate, s.kl, s.kl_text,
+                   s.text_kl, s.kl_fallback, s.fallback_kl, s.top1, s.nll, s.recomputed, s.reused, s.ttft_splice, s.ttft_text, s.v_dev, s.k_dev);
     std::fflush(out);
     std::fprintf(stderr, "case %d/%d done\n", i + 1, a.cases);
   }

@@ -6,12 +6,21 @@
 
 #include "qkvshare/core/clock.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kernels/ops.hpp"
 
 namespace qkvshare {
 
+bool probe_compares_keys(const KvFormat& format) {
+  return format.key_rope != KeyRope::block && !format.rotate_k;
+}
+
 double guard_threshold(const KvFormat& format) {
+  // bench/results/splice_guard.md: estimates of K and V together, and of V alone.
   const int bits = std::min(format.k.bits(), format.v.bits());
-  return bits >= 8 ? 0.2364 : 0.0;  // below 8 bits no estimate passes: recomputed up to text
+  const bool keys = probe_compares_keys(format);
+  if (bits >= 8) return keys ? 0.0990 : 0.1664;
+  if (bits >= 4) return keys ? 0.0709 : 0.1167;
+  return keys ? 0.2240 : 0.3945;
 }
 
 int recompute_count(double fraction, int n) {
@@ -28,31 +37,74 @@ PooledKvCache& pooled(Session& session) {
 
 }  // namespace
 
-double splice_probe(Engine& engine, const Session& session, const PooledKvCache& src,
-                    std::span<const TokenId> src_tokens, int begin, int end, int probe_tokens) {
+namespace {
+
+// Sums the squared deviation of `fresh`'s rows [fresh_first, +k) from src's
+// rows [src_first, +k), per layer, for V and (where they can be compared) K.
+ProbeDeviation compare_rows(const Engine& engine, const PooledKvCache& fresh, int fresh_first, const PooledKvCache& src,
+                            int src_first, int k) {
+  ProbeDeviation d;
+  const KvShape s = engine.kv_shape();
+  for (auto* v : {&d.k_num, &d.k_den, &d.v_num, &d.v_den}) v->assign(static_cast<std::size_t>(s.n_layers), 0.0);
+  std::vector<float> a(static_cast<std::size_t>(k) * s.head_dim), b(a.size());
+  // Layers whose rows the source left behind (a sliding window's) are not compared.
+  const bool windowed_gone = src_first < src.windowed_kept_from();
+  // Keys stored after RoPE sit at other positions in the source: rotated by the
+  // shift before they are compared (keys stored before RoPE compare as they are).
+  const bool rotate = fresh.format().key_rope == KeyRope::post;
+  const bool keys = probe_compares_keys(fresh.format()) && src.format() == fresh.format();
+  const KvRope rope = engine.rope();
+  const float shift = static_cast<float>(fresh_first - src_first);
+  for (int l = 0; l < s.n_layers; ++l)
+    for (int kind = keys ? 0 : 1; kind < 2; ++kind)
+      for (int h = 0; h < s.n_kv_heads && !(windowed_gone && s.window(l) > 0); ++h) {
+        fresh.read_rows(l, kind, h, fresh_first, k, a.data());
+        src.read_rows(l, kind, h, src_first, k, b.data());
+        if (kind == 0 && rotate)
+          for (int t = 0; t < k; ++t)
+            kernels::rope(b.data() + static_cast<std::size_t>(t) * s.head_dim, 1, s.head_dim, shift,
+                          rope.freq(l).data(), rope.style);
+        double& num = (kind == 0 ? d.k_num : d.v_num)[static_cast<std::size_t>(l)];
+        double& den = (kind == 0 ? d.k_den : d.v_den)[static_cast<std::size_t>(l)];
+        for (std::size_t i = 0; i < a.size(); ++i) {
+          const double diff = static_cast<double>(a[i]) - b[i];
+          num += diff * diff;
+          den += static_cast<double>(a[i]) * a[i];
+        }
+      }
+  return d;
+}
+
+const PooledKvCache& pooled_of(const Session& session) {
   const auto* cache = dynamic_cast<const PooledKvCache*>(&session.cache());
   if (cache == nullptr) fail(ErrorCode::invalid_argument, "splice probe: the session's KV is not in a KV pool");
+  return *cache;
+}
+
+}  // namespace
+
+ProbeDeviation splice_probe_layers(Engine& engine, const Session& session, const PooledKvCache& src,
+                                   std::span<const TokenId> src_tokens, int begin, int end, int probe_tokens) {
+  const PooledKvCache& cache = pooled_of(session);
   const int k = std::min(probe_tokens, end - begin);
-  if (k <= 0) return 0.0;
-  Session probe(cache->fork(), session.tokens());
+  if (k <= 0) return {};
+  Session probe(cache.fork(), session.tokens());
   engine.forward(probe, src_tokens.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(k)));
-  const auto& fresh = dynamic_cast<const PooledKvCache&>(probe.cache());
-  const KvShape s = engine.kv_shape();
-  std::vector<float> a(static_cast<std::size_t>(k) * s.head_dim), b(a.size());
+  return compare_rows(engine, dynamic_cast<const PooledKvCache&>(probe.cache()), session.n_past(), src, begin, k);
+}
+
+double probe_estimate(const ProbeDeviation& d) {
   double num = 0, den = 0;
-  // Layers whose rows the source left behind (a sliding window's) are not compared.
-  const bool windowed_gone = begin < src.windowed_kept_from();
-  for (int l = 0; l < s.n_layers; ++l)
-    for (int h = 0; h < s.n_kv_heads && !(windowed_gone && s.window(l) > 0); ++h) {
-      fresh.read_rows(l, 1, h, session.n_past(), k, a.data());
-      src.read_rows(l, 1, h, begin, k, b.data());
-      for (std::size_t i = 0; i < a.size(); ++i) {
-        const double d = static_cast<double>(a[i]) - b[i];
-        num += d * d;
-        den += static_cast<double>(a[i]) * a[i];
-      }
-    }
+  for (std::size_t l = 0; l < d.v_num.size(); ++l) {
+    num += d.v_num[l] + d.k_num[l];
+    den += d.v_den[l] + d.k_den[l];
+  }
   return den > 0 ? std::sqrt(num / den) : 0.0;
+}
+
+double splice_probe(Engine& engine, const Session& session, const PooledKvCache& src,
+                    std::span<const TokenId> src_tokens, int begin, int end, int probe_tokens) {
+  return probe_estimate(splice_probe_layers(engine, session, src, src_tokens, begin, end, probe_tokens));
 }
 
 SpliceResult splice_tokens(Engine& engine, Session& session, const PooledKvCache& src,
@@ -81,7 +133,8 @@ SpliceResult splice_tokens(Engine& engine, Session& session, const PooledKvCache
   const double threshold = options.threshold >= 0 ? options.threshold : guard_threshold(cache.format());
   std::size_t level = 0;
   while (options.guard && done < n) {
-    r.estimate = splice_probe(engine, session, src, src_tokens, begin + done, end, options.probe_tokens);
+    r.deviation = splice_probe_layers(engine, session, src, src_tokens, begin + done, end, options.probe_tokens);
+    r.estimate = probe_estimate(r.deviation);
     r.estimates.push_back(r.estimate);
     r.probe_tokens += std::min(options.probe_tokens, n - done);
     if (r.estimate <= threshold) break;

@@ -60,15 +60,17 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       if (i + 1 < forced) row = log_softmax(engine.forward(*s, std::span<const TokenId>(&tokens.back(), 1)));
     }
   }
-  std::vector<std::vector<double>> text_rows;  // the same-format text re-prefill's rows
+  std::vector<std::vector<double>> text_rows;      // the same-format text re-prefill's rows
+  std::vector<std::vector<double>> fallback_rows;  // the guard's fallback's rows
   // Scores a session standing right before the suffix: feeds suffix + forced
-  // tokens; with `keep`, stores its rows (the same-format text re-prefill).
+  // tokens; with `keep`, stores its rows (a reference), else compares them with
+  // both references'.
   const auto score = [&](Session& s, SpliceSample& out, std::vector<std::vector<double>>* keep) {
     std::vector<TokenId> feed = c.suffix;
     feed.insert(feed.end(), tokens.begin(), tokens.end() - 1);
     const auto logits = engine.forward(s, feed, true);
     const std::size_t first = c.suffix.size() - 1;
-    double kl = 0, kl_text = 0, nll = 0;
+    double kl = 0, kl_text = 0, kl_fallback = 0, nll = 0;
     int same = 0;
     for (int i = 0; i < forced; ++i) {
       auto q = log_softmax(logits.subspan((first + static_cast<std::size_t>(i)) * vocab, vocab));
@@ -77,6 +79,8 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       if (keep == nullptr) {
         const auto& pt = text_rows[static_cast<std::size_t>(i)];
         for (std::size_t v = 0; v < vocab; ++v) kl_text += std::exp(pt[v]) * (pt[v] - q[v]);
+        const auto& pf = fallback_rows[static_cast<std::size_t>(i)];
+        for (std::size_t v = 0; v < vocab; ++v) kl_fallback += std::exp(pf[v]) * (pf[v] - q[v]);
       }
       nll -= q[static_cast<std::size_t>(tokens[static_cast<std::size_t>(i)])];
       same += argmax(q) == argmax(p) ? 1 : 0;
@@ -84,6 +88,7 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
     }
     out.kl = kl / forced;
     out.kl_text = kl_text / forced;
+    out.kl_fallback = kl_fallback / forced;
     out.nll = nll / forced;
     out.top1 = static_cast<double>(same) / forced;
   };
@@ -107,12 +112,23 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       score(*s, t, &text_rows);
       text_kl = t.kl;
     }
+    double fallback_kl = 0;
+    {
+      auto s = pooled(pool, format, capacity);
+      engine.forward(*s, c.consumer_prefix);
+      engine.forward(*s, c.chunk);
+      SpliceSample t;
+      fallback_rows.clear();
+      score(*s, t, &fallback_rows);
+      fallback_kl = t.kl;
+    }
     for (const double fraction : fractions) {
       SpliceSample out;
       out.format = format;
       out.fraction = fraction;
       out.ttft_text = ttft_text;
       out.text_kl = text_kl;
+      out.fallback_kl = fallback_kl;
       auto s = pooled(pool, format, capacity);
       const auto t0 = Clock::now();
       engine.forward(*s, c.consumer_prefix);
@@ -124,6 +140,13 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       const SpliceResult r = splice_tokens(engine, *s, src, producer->tokens(), begin, end, o);
       const double splice_s = seconds_since(t0);
       out.estimate = std::max(0.0, r.estimate);
+      const auto rel = [](const std::vector<double>& num, const std::vector<double>& den) {
+        double n = 0, d = 0;
+        for (std::size_t l = 0; l < num.size(); ++l) n += num[l], d += den[l];
+        return d > 0 ? std::sqrt(n / d) : -1.0;
+      };
+      out.v_dev = std::max(0.0, rel(r.deviation.v_num, r.deviation.v_den));
+      out.k_dev = rel(r.deviation.k_num, r.deviation.k_den);
       out.recomputed = r.recomputed;
       out.reused = r.reused;
       // TTFT: the splice, then the suffix pass (run alone so that it is timed like the text side).

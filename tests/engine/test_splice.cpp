@@ -143,6 +143,34 @@ TEST_F(SpliceTest, RecomputeMovesTowardsTheTextReprefillAndTheGuardMeasuresIt) {
             1e-3);
 }
 
+TEST_F(SpliceTest, TheProbeLinesUpKeysOfAnotherPositionByTheirShift) {
+  // Layer 0's keys depend on the token and its position only: rotated by the
+  // shift, the source's equal the fresh ones whatever the prefix, while V and
+  // the deeper layers' keys carry the other prefix.
+  ASSERT_NE(a_.size(), b_.size());  // the reply sits at another position
+  auto p = producer("f32");
+  auto c = session("f32");
+  engine_->forward(*c, b_);
+  const int begin = static_cast<int>(a_.size()), end = begin + static_cast<int>(reply_.size());
+  const ProbeDeviation d =
+      splice_probe_layers(*engine_, *c, dynamic_cast<PooledKvCache&>(p->cache()), p->tokens(), begin, end, 8);
+  ASSERT_EQ(d.k_num.size(), static_cast<std::size_t>(engine_->kv_shape().n_layers));
+  ASSERT_GT(d.k_den[0], 0.0);
+  EXPECT_LT(d.k_num[0] / d.k_den[0], 1e-10);
+  double k = 0, v = 0;
+  for (std::size_t l = 1; l < d.k_num.size(); ++l) k += d.k_num[l];
+  for (double x : d.v_num) v += x;
+  EXPECT_GT(k, 0.0);
+  EXPECT_GT(v, 0.0);
+  EXPECT_DOUBLE_EQ(probe_estimate(d), splice_probe(*engine_, *c, dynamic_cast<PooledKvCache&>(p->cache()),
+                                                   p->tokens(), begin, end, 8));
+  // Formats whose keys are Hadamard-rotated or rotated per block compare V alone.
+  EXPECT_TRUE(probe_compares_keys(KvFormat::parse("int4")));
+  EXPECT_TRUE(probe_compares_keys(KvFormat::parse("int4:keys=pre")));
+  EXPECT_FALSE(probe_compares_keys(KvFormat::parse("int4:rot=k")));
+  EXPECT_FALSE(probe_compares_keys(KvFormat::parse("int4:keys=block")));
+}
+
 TEST_F(SpliceTest, GuardEscalatesToTextAboveItsThreshold) {
   auto p = producer("int4");
   {

@@ -24,12 +24,21 @@ namespace qkvshare {
 struct SpliceOptions {
   double recompute = 0.15;  // fraction of the spliced tokens recomputed, 0..1
   bool guard = true;
-  // Estimate (relative RMS deviation of V, see splice_probe) above which the
+  // Estimate (relative RMS deviation of K and V, see splice_probe) above which the
   // guard recomputes more; < 0: the value calibrated for the consumer's KV
   // format (guard_threshold()).
   double threshold = -1;
   int probe_tokens = 8;                    // tokens the probe runs (and drops)
   std::vector<double> escalation{0.5, 1.0};  // fractions tried in turn; 1.0 is the text handoff
+};
+
+// A probe's squared deviations per layer, summed over KV heads and probe
+// tokens: num = ||src - fresh||^2, den = ||fresh||^2, for K and for V (K
+// sums stay 0 where keys are not compared, probe_compares_keys). The estimate
+// is sqrt(sum (k_num + v_num) / sum (k_den + v_den)); the parts are kept so
+// that splice-eval can report K and V apart.
+struct ProbeDeviation {
+  std::vector<double> k_num, k_den, v_num, v_den;
 };
 
 struct SpliceResult {
@@ -40,20 +49,26 @@ struct SpliceResult {
   double fraction = 0;            // recompute fraction finally used
   double estimate = -1;           // the guard's estimate at that fraction (-1: not measured)
   std::vector<double> estimates;  // every estimate taken, one per fraction tried
+  ProbeDeviation deviation;       // the last probe's, per layer (empty: not measured)
   bool escalated = false;         // the guard raised the fraction
   bool text = false;              // ... up to every token (text handoff)
   double seconds = 0;
 };
 
 // The guard's thresholds calibrated per KV format by bench/splice_calibrate.py
-// on 216 splices of SmolLM2-135M (bench/results/splice_guard.md): of the
+// on 720 splices of SmolLM2-135M that reuse KV (bench/results/splice_guard.md): of the
 // estimates whose false-accept rate stays <= 5% on the calibration half, the
 // smallest that lets the most good splices through, for "bad" = KL to the
 // same-format text re-prefill > 0.02. Keyed by the smaller of the K and V bit
-// widths: >= 8 bits 0.2364; below, 0 (no int4 splice of the calibration half
-// was good and none of int2's at all: a threshold above 0 would only let bad
-// ones through, so the guard recomputes those splices up to a text handoff).
+// widths (8, 4, below) and by whether the probe compares keys (a table for
+// K+V estimates, one for V alone).
 double guard_threshold(const KvFormat& format);
+
+// Whether the probe compares keys: where they are stored before RoPE, or after
+// it at their own positions (a RoPE rotation by the shift lines the source's up
+// with the fresh ones), and not Hadamard-rotated (RoPE does not commute with
+// it); keys rotated per block (KeyRope::block) are not compared either.
+bool probe_compares_keys(const KvFormat& format);
 
 // The number of tokens a fraction recomputes: round(fraction * n).
 int recompute_count(double fraction, int n);
@@ -67,8 +82,17 @@ SpliceResult splice_tokens(Engine& engine, Session& session, const PooledKvCache
 // The guard's estimate for reusing src's tokens [begin, end) right after the
 // session's current tokens: runs the first `probe_tokens` of them on a fork
 // of the session (dropped afterwards) and returns the relative RMS deviation
-// ||V_src - V_fresh|| / ||V_fresh|| over every layer and KV head.
+// ||KV_src - KV_fresh|| / ||KV_fresh|| over every layer and KV head, of K and V
+// together (keys of the source rotated by the position shift), or of V alone
+// where keys are not compared. K joined V after a sweep of 720 splices: it
+// ranks bad splices above good ones more often (docs/benchmarks.md, "The guard").
 double splice_probe(Engine& engine, const Session& session, const PooledKvCache& src,
                     std::span<const TokenId> src_tokens, int begin, int end, int probe_tokens);
+
+// The same probe, returning its per-layer sums (empty vectors when there is
+// nothing to probe); splice_probe() = probe_estimate(splice_probe_layers()).
+ProbeDeviation splice_probe_layers(Engine& engine, const Session& session, const PooledKvCache& src,
+                                   std::span<const TokenId> src_tokens, int begin, int end, int probe_tokens);
+double probe_estimate(const ProbeDeviation& d);
 
 }  // namespace qkvshare

@@ -28,6 +28,16 @@ struct SpliceSample {
   double kl_text = 0;    // mean KL(p_text || p_splice), p_text the text re-prefill in the same format:
                          // what the splice adds over the fallback the guard would choose
   double text_kl = 0;    // mean KL(p_reference || p_text): the format's own floor
+  // mean KL(p_fallback || p_splice), p_fallback what the guard's fallback
+  // computes: the consumer's prefix in its own pass (a cached system prompt),
+  // then every spliced token recomputed under it in one pass (recompute 1.0).
+  // It differs from p_text, which prefills prefix and chunk in one pass, when
+  // the format is below 8 bits: the chunk then attends to the quantized prefix.
+  double kl_fallback = 0;
+  double fallback_kl = 0;  // mean KL(p_reference || p_fallback)
+  // The probe's relative RMS deviation of V alone and of K alone (-1: keys not
+  // compared, probe_compares_keys), for calibrating either estimator.
+  double v_dev = 0, k_dev = -1;
   double top1 = 0;       // share of positions whose argmax equals the reference's
   double nll = 0;        // mean negative log-likelihood of the forced tokens (PPL = exp)
   int recomputed = 0, reused = 0;
