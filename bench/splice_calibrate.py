@@ -133,7 +133,7 @@ def svg_plot(series, path, title):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("jsonl")
+    ap.add_argument("jsonl", nargs="+", help="one file per chunk length (splice-eval --chunk)")
     ap.add_argument("--bad-kl", type=float, default=0.02)
     ap.add_argument("--max-fa", type=float, default=0.05)
     ap.add_argument("--also", type=float, nargs="*", default=[0.25],
@@ -141,23 +141,35 @@ def main():
     ap.add_argument("--svg")
     ap.add_argument("--json")
     a = ap.parse_args()
-    rows = [json.loads(line) for line in open(a.jsonl) if line.strip()]
-    if not rows:
-        sys.exit(f"{a.jsonl}: no splices")
+    rows = []
+    for i, path in enumerate(a.jsonl):
+        part = [json.loads(line) for line in open(path) if line.strip()]
+        if not part:
+            sys.exit(f"{path}: no splices")
+        for r in part:
+            r["chunk"] = r["recomputed"] + r["reused"]
+            r["case"] += 100000 * i  # files' pairs apart; even, so the halves keep their parity
+        rows += part
     groups = defaultdict(list)
     for r in rows:
         groups[(r["format"], r["fraction"])].append(r)
-    print(f"{len(rows)} splices, {len({r['case'] for r in rows})} producer/consumer pairs\n")
-    print("| KV | recompute | splices | KL vs f32 text | KL vs same-format text | top-1 vs f32 | guard estimate | "
+    by_chunk = defaultdict(list)
+    for r in rows:
+        by_chunk[(r["format"], r["chunk"], r["fraction"])].append(r)
+    chunks = sorted({r["chunk"] for r in rows})
+    print(f"{len(rows)} splices, {len({r['case'] for r in rows})} producer/consumer pairs, spliced ranges of "
+          f"{', '.join(str(c) for c in chunks)} tokens\n")
+    print("| KV | tokens | recompute | splices | KL vs f32 text | KL vs same-format text | top-1 vs f32 | guard estimate | "
           "TTFT text / splice |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (fmt, frac), g in sorted(groups.items()):
-        print(f"| {fmt} | {frac:g} | {len(g)} | {st.mean(x['kl'] for x in g):.4f} | "
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (fmt, chunk, frac), g in sorted(by_chunk.items()):
+        print(f"| {fmt} | {chunk} | {frac:g} | {len(g)} | {st.mean(x['kl'] for x in g):.4f} | "
               f"{st.mean(x['kl_text'] for x in g):.4f} | {100 * st.mean(x['top1'] for x in g):.1f}% | "
               f"{st.median(x['estimate'] for x in g):.3f} | {st.median(x['ttft_text'] / x['ttft_splice'] for x in g):.2f}x |")
     floors = {}
     for fmt in sorted({r["format"] for r in rows}):
         floors[fmt] = st.mean(r["text_kl"] for r in rows if r["format"] == fmt and r["fraction"] == 0)
+    # text_kl depends on the case, not on the chunk length alone: the mean over every case.
     print("\nText re-prefill in the format itself vs f32 (the format's floor): " +
           ", ".join(f"{k} {v:.4f}" for k, v in floors.items()))
     # The guard decides on the splices that reuse something.
@@ -221,6 +233,33 @@ def main():
         print(f"| pooled | | {int(tot['b'])} / {int(tot['g'])} | | {100 * pooled['false_accept_held_out']:.1f}% | "
               f"{100 * pooled['false_reject_held_out']:.1f}% | {100 * pooled['false_accept']:.1f}% | "
               f"{100 * pooled['false_reject']:.1f}% |")
+        if len(chunks) > 1:
+            # The same thresholds, held-out rates per spliced length; and thresholds calibrated on
+            # one length alone, measured on the others (how far one length's calibration carries).
+            th = {f: v["threshold"] for f, v in summary["per_format"][est].items() if f != "pooled"}
+            print("\n| spliced tokens | bad / good (held out) | false accept (held out) | false reject (held out) | "
+                  "thresholds from this length alone: false accept / reject on the other lengths |")
+            print("|---|---|---|---|---|")
+            for chunk in chunks:
+                h = [r for r in held if r["chunk"] == chunk]
+                nb = sum(r["kl_text"] > a.bad_kl for r in h)
+                ng = len(h) - nb
+                fa = sum(r["kl_text"] > a.bad_kl and r[est] <= th[r["format"]] for r in h)
+                fr = sum(r["kl_text"] <= a.bad_kl and r[est] > th[r["format"]] for r in h)
+                ofa = ofr = onb = ong = 0
+                for fmt in th:
+                    t1 = calibrate([r for r in calib if r["chunk"] == chunk and r["format"] == fmt], "kl_text",
+                                   a.bad_kl, a.max_fa, est)
+                    other = [r for r in reused if r["chunk"] != chunk and r["format"] == fmt]
+                    ofa += sum(r["kl_text"] > a.bad_kl and r[est] <= t1 for r in other)
+                    ofr += sum(r["kl_text"] <= a.bad_kl and r[est] > t1 for r in other)
+                    onb += sum(r["kl_text"] > a.bad_kl for r in other)
+                    ong += sum(r["kl_text"] <= a.bad_kl for r in other)
+                summary["per_format"][est].setdefault("per_length", {})[str(chunk)] = {
+                    "false_accept_held_out": fa / max(1, nb), "false_reject_held_out": fr / max(1, ng),
+                    "alone_on_others": {"false_accept": ofa / max(1, onb), "false_reject": ofr / max(1, ong)}}
+                print(f"| {chunk} | {nb} / {ng} | {100 * fa / max(1, nb):.1f}% | {100 * fr / max(1, ng):.1f}% | "
+                      f"{100 * ofa / max(1, onb):.1f}% / {100 * ofr / max(1, ong):.1f}% |")
         if n_sources > 1:
             # Domain shift: thresholds from one source's cases, rates on the others'.
             fa_n = fr_n = nb_n = ng_n = 0

@@ -56,12 +56,13 @@ struct SpliceResult {
 };
 
 // The guard's thresholds calibrated per KV format by bench/splice_calibrate.py
-// on 720 splices of SmolLM2-135M that reuse KV (bench/results/splice_guard.md): of the
-// estimates whose false-accept rate stays <= 5% on the calibration half, the
-// smallest that lets the most good splices through, for "bad" = KL to the
-// same-format text re-prefill > 0.02. Keyed by the smaller of the K and V bit
-// widths (8, 4, below) and by whether the probe compares keys (a table for
-// K+V estimates, one for V alone).
+// on 1,680 splices of SmolLM2-135M that reuse KV, of 64, 256 and 1,024 tokens
+// (bench/results/splice_guard.md; one length's thresholds let through up to
+// 13% of the other lengths' bad splices): of the estimates whose false-accept
+// rate stays <= 5% on the calibration half, the smallest that lets the most
+// good splices through, for "bad" = KL to the same-format text re-prefill >
+// 0.02. Keyed by the smaller of the K and V bit widths (8, 4, below) and by
+// whether the probe compares keys (a table for K+V estimates, one for V alone).
 double guard_threshold(const KvFormat& format);
 
 // Whether the probe compares keys: where they are stored before RoPE, or after
