@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <numeric>
+#include <type_traits>
 
 #include "qkvshare/core/clock.hpp"
 #include "qkvshare/core/error.hpp"
@@ -29,15 +31,19 @@ int recompute_count(double fraction, int n) {
 
 namespace {
 
-PooledKvCache& pooled(Session& session) {
-  auto* cache = dynamic_cast<PooledKvCache*>(&session.cache());
-  if (cache == nullptr) fail(ErrorCode::invalid_argument, "splice: the session's KV is not in a KV pool");
+double sum(const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0); }
+
+double relative(double num, double den) { return den > 0 ? std::sqrt(num / den) : -1.0; }
+
+// The session's cache as a pooled one (splice and probe read and write blocks),
+// const or not as the session is; `what` names the caller in the error.
+template <class S>
+auto& pooled(S& session, const char* what) {
+  using Cache = std::conditional_t<std::is_const_v<S>, const PooledKvCache, PooledKvCache>;
+  auto* cache = dynamic_cast<Cache*>(&session.cache());
+  if (cache == nullptr) fail(ErrorCode::invalid_argument, "{}: the session's KV is not in a KV pool", what);
   return *cache;
 }
-
-}  // namespace
-
-namespace {
 
 // Sums the squared deviation of `fresh`'s rows [fresh_first, +k) from src's
 // rows [src_first, +k), per layer, for V and (where they can be compared) K.
@@ -75,17 +81,11 @@ ProbeDeviation compare_rows(const Engine& engine, const PooledKvCache& fresh, in
   return d;
 }
 
-const PooledKvCache& pooled_of(const Session& session) {
-  const auto* cache = dynamic_cast<const PooledKvCache*>(&session.cache());
-  if (cache == nullptr) fail(ErrorCode::invalid_argument, "splice probe: the session's KV is not in a KV pool");
-  return *cache;
-}
-
 }  // namespace
 
 ProbeDeviation splice_probe_layers(Engine& engine, const Session& session, const PooledKvCache& src,
                                    std::span<const TokenId> src_tokens, int begin, int end, int probe_tokens) {
-  const PooledKvCache& cache = pooled_of(session);
+  const PooledKvCache& cache = pooled(session, "splice probe");
   const int k = std::min(probe_tokens, end - begin);
   if (k <= 0) return {};
   Session probe(cache.fork(), session.tokens());
@@ -93,13 +93,11 @@ ProbeDeviation splice_probe_layers(Engine& engine, const Session& session, const
   return compare_rows(engine, dynamic_cast<const PooledKvCache&>(probe.cache()), session.n_past(), src, begin, k);
 }
 
+double ProbeDeviation::k() const { return relative(sum(k_num), sum(k_den)); }
+double ProbeDeviation::v() const { return relative(sum(v_num), sum(v_den)); }
+
 double probe_estimate(const ProbeDeviation& d) {
-  double num = 0, den = 0;
-  for (std::size_t l = 0; l < d.v_num.size(); ++l) {
-    num += d.v_num[l] + d.k_num[l];
-    den += d.v_den[l] + d.k_den[l];
-  }
-  return den > 0 ? std::sqrt(num / den) : 0.0;
+  return std::max(0.0, relative(sum(d.k_num) + sum(d.v_num), sum(d.k_den) + sum(d.v_den)));
 }
 
 double splice_probe(Engine& engine, const Session& session, const PooledKvCache& src,
@@ -110,7 +108,7 @@ double splice_probe(Engine& engine, const Session& session, const PooledKvCache&
 SpliceResult splice_tokens(Engine& engine, Session& session, const PooledKvCache& src,
                            std::span<const TokenId> src_tokens, int begin, int end, const SpliceOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
-  PooledKvCache& cache = pooled(session);
+  PooledKvCache& cache = pooled(session, "splice");
   if (static_cast<int>(src_tokens.size()) != src.size())
     fail(ErrorCode::invalid_argument, "splice: {} token ids for a source of {} tokens", src_tokens.size(), src.size());
   if (begin < 0 || end > src.size() || begin >= end)

@@ -140,13 +140,8 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       const SpliceResult r = splice_tokens(engine, *s, src, producer->tokens(), begin, end, o);
       const double splice_s = seconds_since(t0);
       out.estimate = std::max(0.0, r.estimate);
-      const auto rel = [](const std::vector<double>& num, const std::vector<double>& den) {
-        double n = 0, d = 0;
-        for (std::size_t l = 0; l < num.size(); ++l) n += num[l], d += den[l];
-        return d > 0 ? std::sqrt(n / d) : -1.0;
-      };
-      out.v_dev = std::max(0.0, rel(r.deviation.v_num, r.deviation.v_den));
-      out.k_dev = rel(r.deviation.k_num, r.deviation.k_den);
+      out.v_dev = std::max(0.0, r.deviation.v());
+      out.k_dev = r.deviation.k();
       out.recomputed = r.recomputed;
       out.reused = r.reused;
       // TTFT: the splice, then the suffix pass (run alone so that it is timed like the text side).

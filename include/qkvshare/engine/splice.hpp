@@ -39,6 +39,9 @@ struct SpliceOptions {
 // that splice-eval can report K and V apart.
 struct ProbeDeviation {
   std::vector<double> k_num, k_den, v_num, v_den;
+  // The relative RMS deviation of K alone and of V alone (-1: not measured).
+  double k() const;
+  double v() const;
 };
 
 struct SpliceResult {
