@@ -280,7 +280,7 @@ std::string directory_of(const std::string& path) {
 
 }  // namespace
 
-Workflow Workflow::parse(const std::string& yaml_text, const std::string& source) {
+Workflow Workflow::parse(const std::string& yaml_text, const std::string& source, const DocumentReader& read) {
   Parser p(source);
   YAML::Node root;
   try {
@@ -300,7 +300,7 @@ Workflow Workflow::parse(const std::string& yaml_text, const std::string& source
       const auto file = p.scalar<std::string>(kv.second, "document");
       const std::string path = file.rfind('/', 0) == 0 ? file : directory_of(source) + "/" + file;
       try {
-        w.documents[kv.first.as<std::string>()] = read_text_file(path);
+        w.documents[kv.first.as<std::string>()] = read ? read(file) : read_text_file(path);
       } catch (const Error& e) {
         p.error(kv.second, std::string("document: ") + e.what());
       }

@@ -11,6 +11,7 @@
 #include "qkvshare/agents/demo_workflow.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/kv/kv_format.hpp"
+#include "qkvshare/model/model.hpp"
 
 namespace qkvshare::cli {
 
@@ -185,7 +186,7 @@ void register_run(CLI::App& app) {
 
   auto demo = std::make_shared<RunArgs>();
   demo->compare = true;
-  CLI::App* dcmd = app.add_subcommand("demo", "Researcher -> writer -> reviewer with QKVShare, then --compare");
+  CLI::App* dcmd = app.add_subcommand("demo", "Researcher -> writer -> reviewer on a source text (examples/w4_roles.yaml) with QKVShare, then --compare");
   dcmd->add_option("-m,--model", demo->model.model_path, "Model file (default: the fetched SmolLM2-135M-Instruct)");
   dcmd->add_option("-t,--tokenizer", demo->model.tokenizer_path, "Tokenizer (llama2.c models only)");
   add_common(*dcmd, *demo);
@@ -194,7 +195,17 @@ void register_run(CLI::App& app) {
     if (demo->model.model_path.empty()) demo->model.model_path = default_model_path();
     if (!std::filesystem::exists(demo->model.model_path))
       fail(ErrorCode::io, "{}: model not found: run scripts/fetch_model.sh or pass -m MODEL", demo->model.model_path);
-    execute(Workflow::parse(demo_workflow_yaml(), "<built-in demo>"), *demo);
+    Workflow wf = demo_workflow();
+    {
+      const auto model = Model::load(demo->model.model_path, demo->model.tokenizer_path);
+      const int context = std::min(model->config().context_length, demo->ctx);
+      const SourceFit fit = fit_demo_source(wf, model->tokenizer(), context, demo->max_tokens);
+      if (fit.cut())
+        std::fprintf(stderr, "demo: the source text is cut to its first %d of %d sentences (%d of %d tokens) to fit "
+                     "the %d-token context with every reply\n", fit.kept_sentences, fit.total_sentences,
+                     fit.kept_tokens, fit.total_tokens, context);
+    }
+    execute(wf, *demo);
   });
 }
 

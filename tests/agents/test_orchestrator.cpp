@@ -10,6 +10,7 @@
 #include "qkvshare/agents/orchestrator.hpp"
 #include "qkvshare/engine/generate.hpp"
 #include "qkvshare/kv/kv_codebook.hpp"
+#include "qkvshare/model/model.hpp"
 #include "qkvshare/share/fingerprint.hpp"
 #include "qkvshare/model/synthetic_model.hpp"
 #include "test_paths.hpp"
@@ -186,10 +187,47 @@ TEST(Orchestrator, TextModesRecomputeWhatQkvshareReuses) {
   EXPECT_EQ(indep.weight_copies_bytes, 2 * shared.weight_copies_bytes);
 }
 
+// The built-in demo is examples/w4_roles.yaml with its source, compiled in.
+TEST(Orchestrator, DemoIsTheW4WorkflowWithItsSource) {
+  const Workflow demo = demo_workflow();
+  const Workflow w4 = Workflow::load(testing::source_path("examples/w4_roles.yaml"));
+  EXPECT_EQ(demo.documents, w4.documents);
+  ASSERT_EQ(demo.steps.size(), w4.steps.size());
+  for (std::size_t i = 0; i < demo.steps.size(); ++i) EXPECT_EQ(demo.steps[i].id, w4.steps[i].id);
+  for (const auto& [name, agent] : w4.agents) {
+    EXPECT_EQ(demo.agents.at(name).system, agent.system) << name;
+    EXPECT_EQ(demo.agents.at(name).prompt, agent.prompt) << name;
+  }
+}
+
+// On a short context the source is cut after a whole sentence, leaving room
+// for the replies; on a long one it is kept whole.
+TEST(Orchestrator, DemoSourceIsCutToFitTheContext) {
+  const auto model = Model::load(kModel, kTok);
+  Workflow whole = demo_workflow();
+  const std::string text = whole.documents.at("source");
+  const SourceFit all = fit_demo_source(whole, model->tokenizer(), 1 << 20, 0);
+  EXPECT_FALSE(all.cut());
+  EXPECT_EQ(whole.documents.at("source"), text);
+  EXPECT_EQ(all.kept_tokens, all.total_tokens);
+
+  Workflow cut = demo_workflow();
+  const SourceFit fit = fit_demo_source(cut, model->tokenizer(), 512, 40);
+  ASSERT_TRUE(fit.cut());
+  EXPECT_GT(fit.kept_sentences, 0);
+  EXPECT_LT(fit.kept_tokens, 512 - 3 * 40);
+  EXPECT_EQ(fit.total_tokens, all.total_tokens);
+  const std::string& kept = cut.documents.at("source");
+  EXPECT_EQ(text.compare(0, kept.size(), kept), 0);  // a prefix
+  EXPECT_TRUE(kept.back() == '.' || kept.back() == '\n') << kept;
+  EXPECT_EQ(static_cast<int>(model->tokenizer().encode(kept).size()), fit.kept_tokens);
+}
+
 TEST(Orchestrator, DemoComparisonRunsEndToEnd) {
-  const Workflow wf = Workflow::parse(demo_workflow_yaml(), "demo");
+  Workflow wf = demo_workflow();
   RunOptions o = options(RunMode::qkvshare, "int8");
-  o.max_tokens_cap = 40;  // stories260K has a 512-token context
+  o.max_tokens_cap = 40;  // stories260K has a 512-token context: the source is cut to fit
+  fit_demo_source(wf, Model::load(kModel, kTok)->tokenizer(), 512, o.max_tokens_cap);
   const auto runs = compare_modes(wf, kModel, kTok, o, default_comparison());
   ASSERT_EQ(runs.size(), default_comparison().size());
   for (const auto& r : runs) {

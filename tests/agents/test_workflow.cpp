@@ -162,7 +162,7 @@ TEST(Workflow, SpliceEdgesAreChecked) {
 
 // Every shipped example parses; W4 and the splicing W2 splice every edge they claim to.
 TEST(Workflow, ExamplesParse) {
-  for (const char* name : {"demo.yaml", "w1_two_agents.yaml", "w2_fanout.yaml", "w2_fanout_synthetic.yaml",
+  for (const char* name : {"w1_two_agents.yaml", "w2_fanout.yaml", "w2_fanout_synthetic.yaml",
                            "w2_fanout_splice.yaml", "w3_chain.yaml", "w4_roles.yaml"})
     EXPECT_NO_THROW(Workflow::load(testing::source_path(std::string("examples/") + name))) << name;
   const Workflow w4 = Workflow::load(testing::source_path("examples/w4_roles.yaml"));

@@ -2,6 +2,7 @@
 // Workflow files: agents (role, prompt template, generation settings, KV
 // format) and steps forming a DAG whose edges carry a handoff mode. The
 // schema is documented in docs/workflows.md; examples live in examples/.
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -66,8 +67,13 @@ struct Workflow {
   // How many later steps read step `id`'s output or context.
   int consumer_count(const std::string& id) const;
 
+  // Returns the text of a document named in `documents:` (the file as written there).
+  using DocumentReader = std::function<std::string(const std::string& file)>;
   // Parses and validates; throws Error(bad_workflow) with "<source>:<line>: <reason>".
-  static Workflow parse(const std::string& yaml_text, const std::string& source = "<workflow>");
+  // Documents are read from files next to `source`, or through `read` when given
+  // (a workflow compiled into the binary with its documents).
+  static Workflow parse(const std::string& yaml_text, const std::string& source = "<workflow>",
+                        const DocumentReader& read = {});
   static Workflow load(const std::string& path);
 };
 
