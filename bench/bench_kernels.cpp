@@ -21,6 +21,7 @@
 #include "qkvshare/kernels/isa.hpp"
 #include "qkvshare/kernels/matmul.hpp"
 #include "qkvshare/kernels/ops.hpp"
+#include "qkvshare/kernels/packed_weights.hpp"
 #include "qkvshare/kernels/quant.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
 
@@ -31,6 +32,7 @@ using namespace qkvshare::kernels;
 
 struct Matrix {
   std::vector<std::uint8_t> bytes;
+  std::vector<std::uint8_t> packed;  // the tile layout the engine packs at load (Q4_0, Q4_1, Q8_0)
   TensorView view;
 };
 
@@ -56,6 +58,11 @@ const Matrix& matrix(GgmlType type, std::int64_t rows, std::int64_t cols) {
   m->view.ne = {cols, rows, 1, 1};
   m->view.data = m->bytes.data();
   m->view.nbytes = m->bytes.size();
+  if (packs(m->view) && weight_packing()) {  // as Model::load does: the kernels then read the tiles
+    m->packed.resize(m->bytes.size());
+    pack_tiles(m->view, 0, (rows + kPackedTileRows - 1) / kPackedTileRows, m->packed.data());
+    m->view.packed = m->packed.data();
+  }
   cache.push_back(std::move(m));
   return *cache.back();
 }
@@ -171,11 +178,12 @@ void register_all() {
   }
   for (GgmlType type : types)
     for (const Shape& s : decode_shapes)
-      for (std::int64_t tokens : {1, 64}) {
-        if (tokens > 1 && s.rows > 4096) continue;  // prefill computes the output layer for one token only
+      for (std::int64_t tokens : {1, 4, 64}) {
+        if (tokens == 64 && s.rows > 4096) continue;  // prefill computes the output layer for one token only
+        if (tokens == 4 && s.rows < 4096) continue;   // four sessions decoding together: the big matrices
         if (type_traits(type).block_size == 256 && s.cols % 256 != 0) continue;  // k-quants: whole super-blocks
-        const std::string base = std::string(tokens == 1 ? "matvec/" : "matmat64/") + std::string(type_name(type)) +
-                                 "/" + s.name;
+        const std::string base = std::string(tokens == 1 ? "matvec/" : tokens == 4 ? "matvec4/" : "matmat64/") +
+                                 std::string(type_name(type)) + "/" + s.name;
         for (int threads : {1, 2}) {
           const std::string suffix = "/threads:" + std::to_string(threads);
           for (Isa isa : isas)
