@@ -68,7 +68,9 @@ void bind_agents(nb::module_& m) {
             return Workflow::load(path);
           },
           nb::arg("path"), "Parses and validates a workflow file (BadWorkflow names file:line and the reason).")
-      .def_static("parse", &Workflow::parse, nb::arg("text"), nb::arg("source") = "<workflow>")
+      .def_static(
+          "parse", [](const std::string& text, const std::string& source) { return Workflow::parse(text, source); },
+          nb::arg("text"), nb::arg("source") = "<workflow>")
       .def_ro("name", &Workflow::name)
       .def_ro("task", &Workflow::task)
       .def_prop_ro("steps", [](const Workflow& w) {
