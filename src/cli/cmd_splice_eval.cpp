@@ -25,6 +25,8 @@ struct SpliceEvalArgs {
   std::string fractions = "0,0.05,0.15,0.3,0.5,1";
   std::string output;
   std::size_t max_source_bytes = 200000;
+  std::string select = "head";
+  std::string check_layers = "1";
 };
 
 // Roles: the producer read the chunk under one, the consumer splices it under another.
@@ -66,8 +68,31 @@ void run_splice_eval(const SpliceEvalArgs& a) {
   }
   const auto formats = split(a.formats);
   for (const auto& f : formats) KvFormat::parse(f);  // reject a bad one before loading
+  SpliceSelection selection;
+  selection.head = false;
+  for (const auto& s : split(a.select)) {
+    if (s == "head") selection.head = true;
+    else if (s == "deviation") selection.deviation = true;
+    else fail(ErrorCode::invalid_argument, "--select: '{}' is not head or deviation", s);
+  }
+  if (!selection.head && !selection.deviation) fail(ErrorCode::invalid_argument, "--select: name head and/or deviation");
+  selection.check_layers.clear();
+  for (const auto& l : split(a.check_layers)) {
+    std::size_t used = 0;
+    int v = -1;
+    try {
+      v = std::stoi(l, &used);
+    } catch (const std::exception&) {
+    }
+    if (used != l.size() || v < 0) fail(ErrorCode::invalid_argument, "--check-layers: '{}' is not a layer number", l);
+    selection.check_layers.push_back(v);
+  }
+  if (selection.check_layers.empty()) fail(ErrorCode::invalid_argument, "--check-layers: name at least one layer");
   auto model = load_model(a.model);
   Engine engine(*model, engine_options(a.model));
+  for (int l : selection.check_layers)
+    if (l >= model->config().n_layers)
+      fail(ErrorCode::invalid_argument, "--check-layers: layer {} is not in [0, {})", l, model->config().n_layers);
   const Tokenizer& tok = model->tokenizer();
   const bool chatml = tok.find("<|im_start|>").has_value();
   const auto opening = [&](const std::string& system) {
@@ -92,6 +117,9 @@ void run_splice_eval(const SpliceEvalArgs& a) {
   pc.shape = engine.kv_shape();
   pc.block_tokens = 32;
   pc.capacity_bytes = KvPool::arena_bytes_for(pc.shape, 32, KvFormat::parse("f32"), a.chunk + 256, 4);
+  // A scattered choice starts a block per recomputed run (a splice freezes the tail).
+  if (selection.deviation)
+    pc.capacity_bytes += KvPool::arena_bytes_for(pc.shape, 32, KvFormat::parse("f32"), 32 * ((a.chunk + 3) / 4), 1);
   auto pool = KvPool::create(pc);
   std::FILE* out = a.output.empty() ? stdout : std::fopen(a.output.c_str(), "w");
   if (out == nullptr) fail(ErrorCode::io, "{}: cannot write", a.output);
@@ -110,14 +138,14 @@ void run_splice_eval(const SpliceEvalArgs& a) {
     c.chunk.assign(ids.begin() + static_cast<std::ptrdiff_t>(stride * static_cast<std::size_t>(slot)),
                    ids.begin() + static_cast<std::ptrdiff_t>(stride * static_cast<std::size_t>(slot)) + a.chunk);
     c.suffix = tok.encode(std::string("\n\n") + kQuestions[i % 4] + (chatml ? "<|im_end|>\n<|im_start|>assistant\n" : "\n"), true);
-    const auto samples = evaluate_splices(engine, pool, c, formats, fractions, a.forced, a.probe);
+    const auto samples = evaluate_splices(engine, pool, c, formats, fractions, a.forced, a.probe, selection);
     for (const auto& s : samples)
       std::fprintf(out,
-                   "{\"case\": %d, \"source\": %zu, \"format\": \"%s\", \"fraction\": %.4f, \"estimate\": %.6f, "
+                   "{\"case\": %d, \"source\": %zu, \"format\": \"%s\", \"select\": \"%s\", \"fraction\": %.4f, \"estimate\": %.6f, "
                    "\"kl\": %.6f, \"kl_text\": %.6f, \"text_kl\": %.6f, \"kl_fallback\": %.6f, \"fallback_kl\": %.6f, "
                    "\"top1\": %.4f, \"nll\": %.5f, \"recomputed\": %d, \"reused\": %d, "
                    "\"ttft_splice\": %.5f, \"ttft_text\": %.5f, \"v_dev\": %.6f, \"k_dev\": %.6f}\n",
-                   i, static_cast<std::size_t>(i) % texts.size(), s.format.c_str(), s.fraction, s.estimate, s.kl, s.kl_text,
+                   i, static_cast<std::size_t>(i) % texts.size(), s.format.c_str(), s.select.c_str(), s.fraction, s.estimate, s.kl, s.kl_text,
                    s.text_kl, s.kl_fallback, s.fallback_kl, s.top1, s.nll, s.recomputed, s.reused, s.ttft_splice, s.ttft_text, s.v_dev, s.k_dev);
     std::fflush(out);
     std::fprintf(stderr, "case %d/%d done\n", i + 1, a.cases);
@@ -139,6 +167,10 @@ void register_splice_eval(CLI::App& app) {
   cmd->add_option("--kv", args->formats, "KV formats, comma separated");
   cmd->add_option("--fractions", args->fractions, "Recompute fractions, comma separated");
   cmd->add_option("-o,--output", args->output, "JSON lines file (default stdout)");
+  cmd->add_option("--select", args->select,
+                  "Which tokens are recomputed: head (the engine's choice), deviation (CacheBlend's: largest K+V "
+                  "deviation at --check-layers; its ranking pass is not timed), or both, comma separated");
+  cmd->add_option("--check-layers", args->check_layers, "Layers whose deviation ranks tokens for --select deviation");
   cmd->callback([args] { run_splice_eval(*args); });
 }
 

@@ -105,6 +105,85 @@ double splice_probe(Engine& engine, const Session& session, const PooledKvCache&
   return probe_estimate(splice_probe_layers(engine, session, src, src_tokens, begin, end, probe_tokens));
 }
 
+std::vector<double> splice_token_deviation(Engine& engine, const Session& session, const PooledKvCache& src,
+                                           std::span<const TokenId> src_tokens, int begin, int end,
+                                           std::span<const int> check_layers) {
+  const PooledKvCache& cache = pooled(session, "splice token deviation");
+  const int n = end - begin;
+  if (begin < 0 || end > src.size() || n <= 0)
+    fail(ErrorCode::invalid_argument, "splice token deviation: token range [{}, {}) is not inside the source's {} tokens",
+         begin, end, src.size());
+  const KvShape s = engine.kv_shape();
+  for (int l : check_layers)
+    if (l < 0 || l >= s.n_layers)
+      fail(ErrorCode::invalid_argument, "splice token deviation: check layer {} is not in [0, {})", l, s.n_layers);
+  Session fresh_session(cache.fork(), session.tokens());
+  engine.forward(fresh_session, src_tokens.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(n)));
+  const auto& fresh = dynamic_cast<const PooledKvCache&>(fresh_session.cache());
+  const int fresh_first = session.n_past();
+  const bool rotate = fresh.format().key_rope == KeyRope::post;
+  const bool keys = probe_compares_keys(fresh.format()) && src.format() == fresh.format();
+  const KvRope rope = engine.rope();
+  const float shift = static_cast<float>(fresh_first - begin);
+  std::vector<double> num(static_cast<std::size_t>(n), 0.0), den(num.size(), 0.0);
+  std::vector<float> a(static_cast<std::size_t>(n) * s.head_dim), b(a.size());
+  const bool windowed_gone = begin < src.windowed_kept_from();  // as in compare_rows
+  for (int l : check_layers)
+    for (int kind = keys ? 0 : 1; kind < 2; ++kind)
+      for (int h = 0; h < s.n_kv_heads && !(windowed_gone && s.window(l) > 0); ++h) {
+        fresh.read_rows(l, kind, h, fresh_first, n, a.data());
+        src.read_rows(l, kind, h, begin, n, b.data());
+        for (int t = 0; t < n; ++t) {
+          float* bt = b.data() + static_cast<std::size_t>(t) * s.head_dim;
+          const float* at = a.data() + static_cast<std::size_t>(t) * s.head_dim;
+          if (kind == 0 && rotate) kernels::rope(bt, 1, s.head_dim, shift, rope.freq(l).data(), rope.style);
+          for (int i = 0; i < s.head_dim; ++i) {
+            const double diff = static_cast<double>(at[i]) - bt[i];
+            num[static_cast<std::size_t>(t)] += diff * diff;
+            den[static_cast<std::size_t>(t)] += static_cast<double>(at[i]) * at[i];
+          }
+        }
+      }
+  std::vector<double> out(num.size());
+  for (std::size_t t = 0; t < out.size(); ++t) out[t] = std::max(0.0, relative(num[t], den[t]));
+  return out;
+}
+
+SpliceResult splice_marked_tokens(Engine& engine, Session& session, const PooledKvCache& src,
+                                  std::span<const TokenId> src_tokens, int begin, int end,
+                                  const std::vector<char>& recompute) {
+  const auto t0 = std::chrono::steady_clock::now();
+  PooledKvCache& cache = pooled(session, "splice");
+  if (static_cast<int>(src_tokens.size()) != src.size())
+    fail(ErrorCode::invalid_argument, "splice: {} token ids for a source of {} tokens", src_tokens.size(), src.size());
+  if (begin < 0 || end > src.size() || begin >= end)
+    fail(ErrorCode::invalid_argument, "splice: token range [{}, {}) is not inside the source's {} tokens", begin, end,
+         src.size());
+  const int n = end - begin;
+  if (static_cast<int>(recompute.size()) != n)
+    fail(ErrorCode::invalid_argument, "splice: {} recompute flags for {} spliced tokens", recompute.size(), n);
+  SpliceResult r;
+  r.tokens = n;
+  for (int i = 0; i < n;) {
+    int j = i;
+    while (j < n && (recompute[static_cast<std::size_t>(j)] != 0) == (recompute[static_cast<std::size_t>(i)] != 0)) ++j;
+    const auto run = src_tokens.subspan(static_cast<std::size_t>(begin + i), static_cast<std::size_t>(j - i));
+    if (recompute[static_cast<std::size_t>(i)] != 0) {
+      engine.forward(session, run);
+      r.recomputed += j - i;
+    } else {
+      cache.splice(src, begin + i, begin + j, engine.rope());
+      session.note_placed(run);
+      r.reused += j - i;
+    }
+    i = j;
+  }
+  r.fraction = static_cast<double>(r.recomputed) / n;
+  r.text = r.recomputed == n;
+  r.seconds = seconds_since(t0);
+  return r;
+}
+
 SpliceResult splice_tokens(Engine& engine, Session& session, const PooledKvCache& src,
                            std::span<const TokenId> src_tokens, int begin, int end, const SpliceOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();

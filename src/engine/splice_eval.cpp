@@ -41,7 +41,8 @@ std::vector<TokenId> join(std::initializer_list<const std::vector<TokenId>*> par
 
 std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr<KvPool>& pool, const SpliceCase& c,
                                            const std::vector<std::string>& formats,
-                                           const std::vector<double>& fractions, int forced, int probe_tokens) {
+                                           const std::vector<double>& fractions, int forced, int probe_tokens,
+                                           const SpliceSelection& selection) {
   if (c.chunk.empty() || c.suffix.empty() || c.consumer_prefix.empty() || c.producer_prefix.empty())
     fail(ErrorCode::invalid_argument, "splice eval: every part of a case needs tokens");
   if (forced < 1) fail(ErrorCode::invalid_argument, "splice eval: forced tokens must be >= 1, got {}", forced);
@@ -123,6 +124,7 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       fallback_kl = t.kl;
     }
     for (const double fraction : fractions) {
+      if (!selection.head) break;
       SpliceSample out;
       out.format = format;
       out.fraction = fraction;
@@ -145,6 +147,46 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       out.recomputed = r.recomputed;
       out.reused = r.reused;
       // TTFT: the splice, then the suffix pass (run alone so that it is timed like the text side).
+      auto timing = std::make_unique<Session>(dynamic_cast<PooledKvCache&>(s->cache()).fork(), s->tokens());
+      const auto t1 = Clock::now();
+      engine.forward(*timing, c.suffix);
+      out.ttft_splice = splice_s + seconds_since(t1);
+      timing.reset();
+      score(*s, out, nullptr);
+      samples.push_back(out);
+    }
+    if (!selection.deviation) continue;
+    std::vector<double> deviation;
+    {
+      auto s = pooled(pool, format, capacity);
+      engine.forward(*s, c.consumer_prefix);
+      deviation = splice_token_deviation(engine, *s, src, producer->tokens(), begin, end, selection.check_layers);
+    }
+    // Tokens by deviation, largest first (the earlier token on a tie).
+    std::vector<int> order(deviation.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+      return deviation[static_cast<std::size_t>(x)] > deviation[static_cast<std::size_t>(y)];
+    });
+    for (const double fraction : fractions) {
+      SpliceSample out;
+      out.format = format;
+      out.select = "deviation";
+      out.fraction = fraction;
+      out.ttft_text = ttft_text;
+      out.text_kl = text_kl;
+      out.fallback_kl = fallback_kl;
+      out.estimate = -1;
+      std::vector<char> mark(deviation.size(), 0);
+      const int k = recompute_count(fraction, static_cast<int>(deviation.size()));
+      for (int i = 0; i < k; ++i) mark[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])] = 1;
+      auto s = pooled(pool, format, capacity);
+      const auto t0 = Clock::now();
+      engine.forward(*s, c.consumer_prefix);
+      const SpliceResult r = splice_marked_tokens(engine, *s, src, producer->tokens(), begin, end, mark);
+      const double splice_s = seconds_since(t0);
+      out.recomputed = r.recomputed;
+      out.reused = r.reused;
       auto timing = std::make_unique<Session>(dynamic_cast<PooledKvCache&>(s->cache()).fork(), s->tokens());
       const auto t1 = Clock::now();
       engine.forward(*timing, c.suffix);

@@ -59,6 +59,11 @@ expect_error "need --kv-budget" run "$(dirname "$0")/../../examples/w1_two_agent
 expect_error "need --kv-budget" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --demote int4
 expect_error "--demote int8:lo=int2:top=0.5: give a format of one precision" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --kv-budget 1M --demote int8:lo=int2:top=0.5
 expect_error "int9" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --kv-budget 1M --demote int9
+# splice-eval's token choice.
+SRC="$SHARED/data/tinystories-valid-sample.txt"
+expect_error "--select: 'middle' is not head or deviation" splice-eval -m "$S" -t "$T" --source "$SRC" --select middle
+expect_error "--check-layers: 'x' is not a layer number" splice-eval -m "$S" -t "$T" --source "$SRC" --select deviation --check-layers x
+expect_error "--check-layers: layer 7 is not in [0, 5)" splice-eval -m "$S" -t "$T" --source "$SRC" --select deviation --check-layers 7
 printf '{"format":"other"}' > "$tmp/bad.ref"
 expect_error "bad.ref" context pull "$tmp/bad.ref" --pool none --agent A --grant B -o "$tmp/x.desc"
 expect_error "missing.ref" context pull "$tmp/missing.ref" --pool none --agent A --grant B -o "$tmp/x.desc"

@@ -194,6 +194,67 @@ TEST_F(SpliceTest, GuardEscalatesToTextAboveItsThreshold) {
   }
 }
 
+// The marked splice (CacheBlend's scattered choice, measured by splice-eval):
+// a head mask is the engine's splice at that fraction, bit for bit; every token
+// marked is the text re-prefill; a scattered mask places every token at its
+// position (the producer's own prefix then reproduces the producer exactly).
+TEST_F(SpliceTest, MarkedSpliceIsTheHeadSpliceOrTheTextAtItsEnds) {
+  const int begin = static_cast<int>(a_.size()), n = static_cast<int>(reply_.size());
+  auto p = producer("int8");
+  const auto& src = dynamic_cast<PooledKvCache&>(p->cache());
+  const auto marked = [&](const std::vector<TokenId>& prefix, const std::vector<char>& mark) {
+    auto c = session("int8");
+    engine_->forward(*c, prefix);
+    const SpliceResult r = splice_marked_tokens(*engine_, *c, src, p->tokens(), begin, begin + n, mark);
+    EXPECT_EQ(r.recomputed + r.reused, n);
+    EXPECT_EQ(c->n_past(), static_cast<int>(prefix.size()) + n);
+    return logits(*c, turn_);
+  };
+  std::vector<char> head(static_cast<std::size_t>(n), 0);
+  const int k = recompute_count(0.3, n);
+  for (int i = 0; i < k; ++i) head[static_cast<std::size_t>(i)] = 1;
+  auto c = session("int8");
+  engine_->forward(*c, b_);
+  splice(*c, *p, 0.3);
+  EXPECT_EQ(marked(b_, head), logits(*c, turn_));
+  EXPECT_LT(kl(text_logits("int8"), marked(b_, std::vector<char>(static_cast<std::size_t>(n), 1))), 1e-4);
+  std::vector<char> every_third(static_cast<std::size_t>(n), 0);
+  for (int i = 0; i < n; i += 3) every_third[static_cast<std::size_t>(i)] = 1;
+  auto same = session("int8");
+  engine_->forward(*same, a_);
+  splice(*same, *p, 0.0);  // offset 0 under the producer's prefix: a continue
+  EXPECT_LT(kl(logits(*same, turn_), marked(a_, every_third)), 1e-4);
+  auto beyond = session("int8");
+  EXPECT_THROW(splice_marked_tokens(*engine_, *beyond, src, p->tokens(), begin + 1, begin + n + 1, head), Error);
+  auto short_mask = session("int8");
+  EXPECT_THROW(splice_marked_tokens(*engine_, *short_mask, src, p->tokens(), begin, begin + n, {1, 0}), Error);
+}
+
+// Per-token deviation at check layers: layer 0 (keys rotated by the shift)
+// is zero, deeper layers are not, and under the producer's own prefix nothing
+// deviates.
+TEST_F(SpliceTest, TokenDeviationRanksTokensAtTheCheckLayers) {
+  const int begin = static_cast<int>(a_.size()), n = static_cast<int>(reply_.size());
+  auto p = producer("f32");
+  const auto& src = dynamic_cast<PooledKvCache&>(p->cache());
+  auto c = session("f32");
+  engine_->forward(*c, b_);
+  const int layer0[] = {0}, layer12[] = {1, 2};
+  const auto first = splice_token_deviation(*engine_, *c, src, p->tokens(), begin, begin + n, layer0);
+  ASSERT_EQ(first.size(), static_cast<std::size_t>(n));
+  for (double d : first) EXPECT_LT(d, 1e-4);  // K and V of layer 0: token and position alone
+  const auto deeper = splice_token_deviation(*engine_, *c, src, p->tokens(), begin, begin + n, layer12);
+  double total = 0;
+  for (double d : deeper) total += d;
+  EXPECT_GT(total / n, 1e-3);
+  EXPECT_EQ(c->n_past(), static_cast<int>(b_.size()));  // the ranking pass ran on a fork
+  auto own = session("f32");
+  engine_->forward(*own, a_);
+  for (double d : splice_token_deviation(*engine_, *own, src, p->tokens(), begin, begin + n, layer12)) EXPECT_LT(d, 1e-3);
+  const int bad[] = {99};
+  EXPECT_THROW(splice_token_deviation(*engine_, *c, src, p->tokens(), begin, begin + n, bad), Error);
+}
+
 TEST_F(SpliceTest, SplicedContextsReleaseEveryBlockAndBadArgumentsAreRefused) {
   {
     auto p = producer("int8");

@@ -10,9 +10,11 @@
 // Which tokens are recomputed: the first ones of the spliced range. Their KV
 // deviates most (they are the nearest to the changed prefix, and every later
 // token attends to them), and a recomputed head keeps the rest one contiguous
-// segment, so attention pays for one extra segment, not one per token. The
-// guard's probe measures the deviation right after the recomputed head; see
-// docs/benchmarks.md "Splice" for the measurements behind both choices.
+// segment, so attention pays for one extra segment, not one per token.
+// CacheBlend's choice (the tokens that deviate most at check layers,
+// splice_token_deviation + splice_marked_tokens below) measured no better at
+// 15% on int8. The guard's probe measures the deviation right after the
+// recomputed head; see docs/benchmarks.md "Splice" for the measurements.
 #include <span>
 #include <vector>
 
@@ -98,5 +100,26 @@ double splice_probe(Engine& engine, const Session& session, const PooledKvCache&
 ProbeDeviation splice_probe_layers(Engine& engine, const Session& session, const PooledKvCache& src,
                                    std::span<const TokenId> src_tokens, int begin, int end, int probe_tokens);
 double probe_estimate(const ProbeDeviation& d);
+
+// CacheBlend's choice of tokens to recompute, measured against the head
+// (splice-eval --select deviation): the relative RMS deviation, per spliced
+// token, of its K and V at `check_layers` (all KV heads; keys rotated by the
+// shift where the probe compares keys) between src's rows and the same token
+// recomputed under the session's prefix. Recomputes every token of [begin,
+// end) on a fork (dropped): CacheBlend runs only the check layers for that, so
+// this gives the choice's quality, not its cost.
+std::vector<double> splice_token_deviation(Engine& engine, const Session& session, const PooledKvCache& src,
+                                           std::span<const TokenId> src_tokens, int begin, int end,
+                                           std::span<const int> check_layers);
+
+// Splices [begin, end) of src recomputing exactly the tokens whose flag in
+// `recompute` (one per token) is set: runs of recomputed and of reused tokens
+// are placed in order, each reused run a segment of src's blocks, so every
+// recomputed token attends to what precedes it as the text would place it
+// (the reused tokens' KV from src). No guard. Error(invalid_argument) for a
+// bad range or mask.
+SpliceResult splice_marked_tokens(Engine& engine, Session& session, const PooledKvCache& src,
+                                  std::span<const TokenId> src_tokens, int begin, int end,
+                                  const std::vector<char>& recompute);
 
 }  // namespace qkvshare

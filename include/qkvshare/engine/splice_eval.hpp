@@ -20,10 +20,20 @@ struct SpliceCase {
   std::vector<TokenId> suffix;           // the consumer's own turn after it
 };
 
+// Which tokens a sample's splice recomputes: the head (what splice_tokens
+// does), and/or CacheBlend's choice, the tokens of largest K+V deviation at
+// `check_layers` (splice_token_deviation; its ranking pass is not timed).
+struct SpliceSelection {
+  bool head = true;
+  bool deviation = false;
+  std::vector<int> check_layers{1};
+};
+
 struct SpliceSample {
   std::string format;
+  std::string select = "head";  // "head" or "deviation" (SpliceSelection)
   double fraction = 0;
-  double estimate = 0;   // the guard's estimate (splice_probe) at this fraction
+  double estimate = 0;   // the guard's estimate (splice_probe) at this fraction (-1: not probed)
   double kl = 0;         // mean KL(p_reference || p_splice) over the forced positions
   double kl_text = 0;    // mean KL(p_text || p_splice), p_text the text re-prefill in the same format:
                          // what the splice adds over the fallback the guard would choose
@@ -48,6 +58,7 @@ struct SpliceSample {
 // `forced` tokens of the reference's greedy continuation are scored.
 std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr<KvPool>& pool, const SpliceCase& c,
                                            const std::vector<std::string>& formats,
-                                           const std::vector<double>& fractions, int forced, int probe_tokens);
+                                           const std::vector<double>& fractions, int forced, int probe_tokens,
+                                           const SpliceSelection& selection = {});
 
 }  // namespace qkvshare
