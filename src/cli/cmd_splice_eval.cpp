@@ -52,20 +52,31 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-void run_splice_eval(const SpliceEvalArgs& a) {
-  if (a.sources.empty()) fail(ErrorCode::invalid_argument, "--source FILE is required (one or more)");
-  std::vector<double> fractions;
-  for (const auto& f : split(a.fractions)) {
+// A comma-separated list of numbers, each read whole by `parse` (std::stod,
+// std::stoi) and accepted by `ok`; else Error(invalid_argument) "FLAG: 'ITEM' is not WHAT".
+template <class T, class Parse, class Ok>
+std::vector<T> parse_list(const std::string& list, Parse parse, Ok ok, const char* flag, const char* what) {
+  std::vector<T> out;
+  for (const auto& item : split(list)) {
     std::size_t used = 0;
-    double v = -1;
+    T v{};
+    bool read = false;
     try {
-      v = std::stod(f, &used);
+      v = parse(item, &used);
+      read = used == item.size();
     } catch (const std::exception&) {
     }
-    if (used != f.size() || !(v >= 0 && v <= 1))
-      fail(ErrorCode::invalid_argument, "--fractions: '{}' is not a fraction from 0 to 1", f);
-    fractions.push_back(v);
+    if (!read || !ok(v)) fail(ErrorCode::invalid_argument, "{}: '{}' is not {}", flag, item, what);
+    out.push_back(v);
   }
+  return out;
+}
+
+void run_splice_eval(const SpliceEvalArgs& a) {
+  if (a.sources.empty()) fail(ErrorCode::invalid_argument, "--source FILE is required (one or more)");
+  const auto fractions = parse_list<double>(
+      a.fractions, [](const std::string& x, std::size_t* used) { return std::stod(x, used); },
+      [](double v) { return v >= 0 && v <= 1; }, "--fractions", "a fraction from 0 to 1");
   const auto formats = split(a.formats);
   for (const auto& f : formats) KvFormat::parse(f);  // reject a bad one before loading
   SpliceSelection selection;
@@ -76,17 +87,9 @@ void run_splice_eval(const SpliceEvalArgs& a) {
     else fail(ErrorCode::invalid_argument, "--select: '{}' is not head or deviation", s);
   }
   if (!selection.head && !selection.deviation) fail(ErrorCode::invalid_argument, "--select: name head and/or deviation");
-  selection.check_layers.clear();
-  for (const auto& l : split(a.check_layers)) {
-    std::size_t used = 0;
-    int v = -1;
-    try {
-      v = std::stoi(l, &used);
-    } catch (const std::exception&) {
-    }
-    if (used != l.size() || v < 0) fail(ErrorCode::invalid_argument, "--check-layers: '{}' is not a layer number", l);
-    selection.check_layers.push_back(v);
-  }
+  selection.check_layers = parse_list<int>(
+      a.check_layers, [](const std::string& x, std::size_t* used) { return std::stoi(x, used); },
+      [](int v) { return v >= 0; }, "--check-layers", "a layer number");
   if (selection.check_layers.empty()) fail(ErrorCode::invalid_argument, "--check-layers: name at least one layer");
   auto model = load_model(a.model);
   Engine engine(*model, engine_options(a.model));

@@ -45,6 +45,15 @@ auto& pooled(S& session, const char* what) {
   return *cache;
 }
 
+// Error(invalid_argument) unless src_tokens are src's ids and [begin, end) a nonempty range of them.
+void check_source(const PooledKvCache& src, std::span<const TokenId> src_tokens, int begin, int end) {
+  if (static_cast<int>(src_tokens.size()) != src.size())
+    fail(ErrorCode::invalid_argument, "splice: {} token ids for a source of {} tokens", src_tokens.size(), src.size());
+  if (begin < 0 || end > src.size() || begin >= end)
+    fail(ErrorCode::invalid_argument, "splice: token range [{}, {}) is not inside the source's {} tokens", begin, end,
+         src.size());
+}
+
 // Sums the squared deviation of `fresh`'s rows [fresh_first, +k) from src's
 // rows [src_first, +k), per layer, for V and (where they can be compared) K.
 ProbeDeviation compare_rows(const Engine& engine, const PooledKvCache& fresh, int fresh_first, const PooledKvCache& src,
@@ -109,10 +118,8 @@ std::vector<double> splice_token_deviation(Engine& engine, const Session& sessio
                                            std::span<const TokenId> src_tokens, int begin, int end,
                                            std::span<const int> check_layers) {
   const PooledKvCache& cache = pooled(session, "splice token deviation");
+  check_source(src, src_tokens, begin, end);
   const int n = end - begin;
-  if (begin < 0 || end > src.size() || n <= 0)
-    fail(ErrorCode::invalid_argument, "splice token deviation: token range [{}, {}) is not inside the source's {} tokens",
-         begin, end, src.size());
   const KvShape s = engine.kv_shape();
   for (int l : check_layers)
     if (l < 0 || l >= s.n_layers)
@@ -154,11 +161,7 @@ SpliceResult splice_marked_tokens(Engine& engine, Session& session, const Pooled
                                   const std::vector<char>& recompute) {
   const auto t0 = std::chrono::steady_clock::now();
   PooledKvCache& cache = pooled(session, "splice");
-  if (static_cast<int>(src_tokens.size()) != src.size())
-    fail(ErrorCode::invalid_argument, "splice: {} token ids for a source of {} tokens", src_tokens.size(), src.size());
-  if (begin < 0 || end > src.size() || begin >= end)
-    fail(ErrorCode::invalid_argument, "splice: token range [{}, {}) is not inside the source's {} tokens", begin, end,
-         src.size());
+  check_source(src, src_tokens, begin, end);
   const int n = end - begin;
   if (static_cast<int>(recompute.size()) != n)
     fail(ErrorCode::invalid_argument, "splice: {} recompute flags for {} spliced tokens", recompute.size(), n);
@@ -188,11 +191,7 @@ SpliceResult splice_tokens(Engine& engine, Session& session, const PooledKvCache
                            std::span<const TokenId> src_tokens, int begin, int end, const SpliceOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   PooledKvCache& cache = pooled(session, "splice");
-  if (static_cast<int>(src_tokens.size()) != src.size())
-    fail(ErrorCode::invalid_argument, "splice: {} token ids for a source of {} tokens", src_tokens.size(), src.size());
-  if (begin < 0 || end > src.size() || begin >= end)
-    fail(ErrorCode::invalid_argument, "splice: token range [{}, {}) is not inside the source's {} tokens", begin, end,
-         src.size());
+  check_source(src, src_tokens, begin, end);
   if (!(options.recompute >= 0.0 && options.recompute <= 1.0))
     fail(ErrorCode::invalid_argument, "splice: recompute fraction {} is not in [0, 1]", options.recompute);
   const int n = end - begin;

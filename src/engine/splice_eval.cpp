@@ -123,10 +123,13 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       score(*s, t, &fallback_rows);
       fallback_kl = t.kl;
     }
-    for (const double fraction : fractions) {
-      if (!selection.head) break;
+    // One measured splice: `place` splices into a session standing right after
+    // the consumer's prefix (and may fill more of the sample); timed up to the
+    // consumer's first token, then scored.
+    const auto measure = [&](const char* select, double fraction, const auto& place) {
       SpliceSample out;
       out.format = format;
+      out.select = select;
       out.fraction = fraction;
       out.ttft_text = ttft_text;
       out.text_kl = text_kl;
@@ -134,16 +137,8 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       auto s = pooled(pool, format, capacity);
       const auto t0 = Clock::now();
       engine.forward(*s, c.consumer_prefix);
-      SpliceOptions o;
-      o.recompute = fraction;
-      o.guard = true;
-      o.threshold = 1e30;  // measure, never escalate
-      o.probe_tokens = probe_tokens;
-      const SpliceResult r = splice_tokens(engine, *s, src, producer->tokens(), begin, end, o);
+      const SpliceResult r = place(*s, out);
       const double splice_s = seconds_since(t0);
-      out.estimate = std::max(0.0, r.estimate);
-      out.v_dev = std::max(0.0, r.deviation.v());
-      out.k_dev = r.deviation.k();
       out.recomputed = r.recomputed;
       out.reused = r.reused;
       // TTFT: the splice, then the suffix pass (run alone so that it is timed like the text side).
@@ -154,6 +149,21 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       timing.reset();
       score(*s, out, nullptr);
       samples.push_back(out);
+    };
+    for (const double fraction : fractions) {
+      if (!selection.head) break;
+      measure("head", fraction, [&](Session& s, SpliceSample& out) {
+        SpliceOptions o;
+        o.recompute = fraction;
+        o.guard = true;
+        o.threshold = 1e30;  // measure, never escalate
+        o.probe_tokens = probe_tokens;
+        const SpliceResult r = splice_tokens(engine, s, src, producer->tokens(), begin, end, o);
+        out.estimate = std::max(0.0, r.estimate);
+        out.v_dev = std::max(0.0, r.deviation.v());
+        out.k_dev = r.deviation.k();
+        return r;
+      });
     }
     if (!selection.deviation) continue;
     std::vector<double> deviation;
@@ -169,31 +179,13 @@ std::vector<SpliceSample> evaluate_splices(Engine& engine, const std::shared_ptr
       return deviation[static_cast<std::size_t>(x)] > deviation[static_cast<std::size_t>(y)];
     });
     for (const double fraction : fractions) {
-      SpliceSample out;
-      out.format = format;
-      out.select = "deviation";
-      out.fraction = fraction;
-      out.ttft_text = ttft_text;
-      out.text_kl = text_kl;
-      out.fallback_kl = fallback_kl;
-      out.estimate = -1;
       std::vector<char> mark(deviation.size(), 0);
       const int k = recompute_count(fraction, static_cast<int>(deviation.size()));
       for (int i = 0; i < k; ++i) mark[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])] = 1;
-      auto s = pooled(pool, format, capacity);
-      const auto t0 = Clock::now();
-      engine.forward(*s, c.consumer_prefix);
-      const SpliceResult r = splice_marked_tokens(engine, *s, src, producer->tokens(), begin, end, mark);
-      const double splice_s = seconds_since(t0);
-      out.recomputed = r.recomputed;
-      out.reused = r.reused;
-      auto timing = std::make_unique<Session>(dynamic_cast<PooledKvCache&>(s->cache()).fork(), s->tokens());
-      const auto t1 = Clock::now();
-      engine.forward(*timing, c.suffix);
-      out.ttft_splice = splice_s + seconds_since(t1);
-      timing.reset();
-      score(*s, out, nullptr);
-      samples.push_back(out);
+      measure("deviation", fraction, [&](Session& s, SpliceSample& out) {
+        out.estimate = -1;  // no probe
+        return splice_marked_tokens(engine, s, src, producer->tokens(), begin, end, mark);
+      });
     }
   }
   return samples;
