@@ -143,7 +143,10 @@ def main():
     a = ap.parse_args()
     rows = []
     for i, path in enumerate(a.jsonl):
-        part = [json.loads(line) for line in open(path) if line.strip()]
+        # Only the engine's splices (the recomputed head, with the guard's probe): rows of
+        # `--select deviation` measure another choice of tokens and carry no estimate.
+        part = [r for r in (json.loads(line) for line in open(path) if line.strip())
+                if r.get("select", "head") == "head"]
         if not part:
             sys.exit(f"{path}: no splices")
         for r in part:
