@@ -204,6 +204,14 @@ void register_run(CLI::App& app) {
         std::fprintf(stderr, "demo: the source text is cut to its first %d of %d sentences (%d of %d tokens) to fit "
                      "the %d-token context with every reply\n", fit.kept_sentences, fit.total_sentences,
                      fit.kept_tokens, fit.total_tokens, context);
+      std::fprintf(stderr,
+                   "demo: a researcher, a writer and a reviewer (examples/w4_roles.yaml), each with its own system "
+                   "prompt, on a %d-token source; the writer and reviewer splice what they read from the producers' "
+                   "KV. %s\n",
+                   fit.kept_tokens,
+                   demo->compare ? "Every mode below does the same work (the f32 text run's tokens forced); one "
+                                   "table compares them at the end."
+                                 : "QKVShare alone (--no-compare).");
     }
     execute(wf, *demo);
   });
