@@ -298,9 +298,9 @@ Workflow Workflow::parse(const std::string& yaml_text, const std::string& source
     if (!docs.IsMap()) p.error(docs, "'documents' must map names to files");
     for (const auto& kv : docs) {
       const auto file = p.scalar<std::string>(kv.second, "document");
-      const std::string path = file.rfind('/', 0) == 0 ? file : directory_of(source) + "/" + file;
       try {
-        w.documents[kv.first.as<std::string>()] = read ? read(file) : read_text_file(path);
+        w.documents[kv.first.as<std::string>()] =
+            read ? read(file) : read_text_file(file.rfind('/', 0) == 0 ? file : directory_of(source) + "/" + file);
       } catch (const Error& e) {
         p.error(kv.second, std::string("document: ") + e.what());
       }

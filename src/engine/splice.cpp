@@ -54,13 +54,14 @@ void check_source(const PooledKvCache& src, std::span<const TokenId> src_tokens,
          src.size());
 }
 
-// Sums the squared deviation of `fresh`'s rows [fresh_first, +k) from src's
-// rows [src_first, +k), per layer, for V and (where they can be compared) K.
-ProbeDeviation compare_rows(const Engine& engine, const PooledKvCache& fresh, int fresh_first, const PooledKvCache& src,
-                            int src_first, int k) {
-  ProbeDeviation d;
+// Lines up `fresh`'s rows [fresh_first, +k) with src's rows [src_first, +k)
+// at each of `layers`, for V and (where they can be compared) K, and calls
+// visit(layer, kind, token, fresh value, src value) for every element, in
+// layer, kind, KV head, token, channel order.
+template <class Visit>
+void visit_row_pairs(const Engine& engine, const PooledKvCache& fresh, int fresh_first, const PooledKvCache& src,
+                     int src_first, int k, std::span<const int> layers, Visit visit) {
   const KvShape s = engine.kv_shape();
-  for (auto* v : {&d.k_num, &d.k_den, &d.v_num, &d.v_den}) v->assign(static_cast<std::size_t>(s.n_layers), 0.0);
   std::vector<float> a(static_cast<std::size_t>(k) * s.head_dim), b(a.size());
   // Layers whose rows the source left behind (a sliding window's) are not compared.
   const bool windowed_gone = src_first < src.windowed_kept_from();
@@ -70,7 +71,7 @@ ProbeDeviation compare_rows(const Engine& engine, const PooledKvCache& fresh, in
   const bool keys = probe_compares_keys(fresh.format()) && src.format() == fresh.format();
   const KvRope rope = engine.rope();
   const float shift = static_cast<float>(fresh_first - src_first);
-  for (int l = 0; l < s.n_layers; ++l)
+  for (int l : layers)
     for (int kind = keys ? 0 : 1; kind < 2; ++kind)
       for (int h = 0; h < s.n_kv_heads && !(windowed_gone && s.window(l) > 0); ++h) {
         fresh.read_rows(l, kind, h, fresh_first, k, a.data());
@@ -79,14 +80,28 @@ ProbeDeviation compare_rows(const Engine& engine, const PooledKvCache& fresh, in
           for (int t = 0; t < k; ++t)
             kernels::rope(b.data() + static_cast<std::size_t>(t) * s.head_dim, 1, s.head_dim, shift,
                           rope.freq(l).data(), rope.style);
-        double& num = (kind == 0 ? d.k_num : d.v_num)[static_cast<std::size_t>(l)];
-        double& den = (kind == 0 ? d.k_den : d.v_den)[static_cast<std::size_t>(l)];
-        for (std::size_t i = 0; i < a.size(); ++i) {
-          const double diff = static_cast<double>(a[i]) - b[i];
-          num += diff * diff;
-          den += static_cast<double>(a[i]) * a[i];
-        }
+        for (int t = 0; t < k; ++t)
+          for (int c = 0; c < s.head_dim; ++c) {
+            const std::size_t i = static_cast<std::size_t>(t) * s.head_dim + c;
+            visit(l, kind, t, a[i], b[i]);
+          }
       }
+}
+
+// Sums the squared deviation of `fresh`'s rows [fresh_first, +k) from src's
+// rows [src_first, +k), per layer, for V and (where they can be compared) K.
+ProbeDeviation compare_rows(const Engine& engine, const PooledKvCache& fresh, int fresh_first, const PooledKvCache& src,
+                            int src_first, int k) {
+  ProbeDeviation d;
+  const int n_layers = engine.kv_shape().n_layers;
+  for (auto* v : {&d.k_num, &d.k_den, &d.v_num, &d.v_den}) v->assign(static_cast<std::size_t>(n_layers), 0.0);
+  std::vector<int> layers(static_cast<std::size_t>(n_layers));
+  std::iota(layers.begin(), layers.end(), 0);
+  visit_row_pairs(engine, fresh, fresh_first, src, src_first, k, layers, [&](int l, int kind, int, float a, float b) {
+    const double diff = static_cast<double>(a) - b;
+    (kind == 0 ? d.k_num : d.v_num)[static_cast<std::size_t>(l)] += diff * diff;
+    (kind == 0 ? d.k_den : d.v_den)[static_cast<std::size_t>(l)] += static_cast<double>(a) * a;
+  });
   return d;
 }
 
@@ -126,31 +141,13 @@ std::vector<double> splice_token_deviation(Engine& engine, const Session& sessio
       fail(ErrorCode::invalid_argument, "splice token deviation: check layer {} is not in [0, {})", l, s.n_layers);
   Session fresh_session(cache.fork(), session.tokens());
   engine.forward(fresh_session, src_tokens.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(n)));
-  const auto& fresh = dynamic_cast<const PooledKvCache&>(fresh_session.cache());
-  const int fresh_first = session.n_past();
-  const bool rotate = fresh.format().key_rope == KeyRope::post;
-  const bool keys = probe_compares_keys(fresh.format()) && src.format() == fresh.format();
-  const KvRope rope = engine.rope();
-  const float shift = static_cast<float>(fresh_first - begin);
   std::vector<double> num(static_cast<std::size_t>(n), 0.0), den(num.size(), 0.0);
-  std::vector<float> a(static_cast<std::size_t>(n) * s.head_dim), b(a.size());
-  const bool windowed_gone = begin < src.windowed_kept_from();  // as in compare_rows
-  for (int l : check_layers)
-    for (int kind = keys ? 0 : 1; kind < 2; ++kind)
-      for (int h = 0; h < s.n_kv_heads && !(windowed_gone && s.window(l) > 0); ++h) {
-        fresh.read_rows(l, kind, h, fresh_first, n, a.data());
-        src.read_rows(l, kind, h, begin, n, b.data());
-        for (int t = 0; t < n; ++t) {
-          float* bt = b.data() + static_cast<std::size_t>(t) * s.head_dim;
-          const float* at = a.data() + static_cast<std::size_t>(t) * s.head_dim;
-          if (kind == 0 && rotate) kernels::rope(bt, 1, s.head_dim, shift, rope.freq(l).data(), rope.style);
-          for (int i = 0; i < s.head_dim; ++i) {
-            const double diff = static_cast<double>(at[i]) - bt[i];
-            num[static_cast<std::size_t>(t)] += diff * diff;
-            den[static_cast<std::size_t>(t)] += static_cast<double>(at[i]) * at[i];
-          }
-        }
-      }
+  visit_row_pairs(engine, dynamic_cast<const PooledKvCache&>(fresh_session.cache()), session.n_past(), src, begin, n,
+                  check_layers, [&](int, int, int t, float a, float b) {
+                    const double diff = static_cast<double>(a) - b;
+                    num[static_cast<std::size_t>(t)] += diff * diff;
+                    den[static_cast<std::size_t>(t)] += static_cast<double>(a) * a;
+                  });
   std::vector<double> out(num.size());
   for (std::size_t t = 0; t < out.size(); ++t) out[t] = std::max(0.0, relative(num[t], den[t]));
   return out;
