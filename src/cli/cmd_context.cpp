@@ -10,6 +10,7 @@
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/core/mapped_file.hpp"
 #include "qkvshare/share/fingerprint.hpp"
 #include "qkvshare/share/share_pool.hpp"
@@ -46,7 +47,7 @@ void run_export(const TransferArgs& a) {
   const auto key = key_of(a.key);
   const std::uint64_t bytes = write_file_atomic(a.output, [&](const ByteSink& sink) {
     export_descriptor(*pool, d, a.agent, sink, key ? &*key : nullptr);
-  });
+  }, 0600);
   std::fprintf(stderr, "exported context %llu (%u tokens, %s) to %s: %llu bytes\n",
                static_cast<unsigned long long>(d.context_id), d.token_count, key ? "encrypted" : "not encrypted",
                a.output.c_str(), static_cast<unsigned long long>(bytes));
@@ -86,6 +87,7 @@ void run_push(const TransferArgs& a) {
 }
 
 void run_pull(const TransferArgs& a) {
+  check_input_file(a.input, "remote context reference");
   std::ifstream in(a.input);
   if (!in) fail(ErrorCode::io, "{}: cannot open the remote context reference", a.input);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 
 namespace qkvshare {
 
@@ -110,18 +111,18 @@ void KvCodebook::finish() {
 void KvCodebook::save(const std::string& path) const {
   const std::string payload = payload_bytes(tables_.data(), table_floats());
   const std::string header = header_bytes(h_, XXH3_64bits(payload.data(), payload.size()));
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) fail(ErrorCode::io, "PQ codebook '{}': cannot write {}", path, tmp);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
-    out.write(payload.data(), static_cast<std::streamsize>(payload.size()));
-    if (!out.flush()) fail(ErrorCode::io, "PQ codebook '{}': write failed (disk full?)", path);
+  try {
+    write_file_atomic(path, [&](const ByteSink& sink) {
+      sink(std::span(reinterpret_cast<const std::uint8_t*>(header.data()), header.size()));
+      sink(std::span(reinterpret_cast<const std::uint8_t*>(payload.data()), payload.size()));
+    });
+  } catch (const Error& e) {
+    fail(ErrorCode::io, "PQ codebook: {}", e.what());
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorCode::io, "PQ codebook '{}': cannot rename {}", path, tmp);
 }
 
 KvCodebook KvCodebook::load(const std::string& path) {
+  check_input_file(path, "PQ codebook");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorCode::io, "PQ codebook '{}': cannot open", path);
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -1,15 +1,11 @@
 // GGUF v3 writer. Keys and tensors are written in insertion order; tensor data
 // is padded to the alignment as the reader (ours and llama.cpp's) expects.
-#include <unistd.h>
 
 #include <bit>
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
-#include <filesystem>
 
 #include "gguf_internal.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/model/gguf.hpp"
 
 namespace qkvshare {
@@ -179,27 +175,11 @@ std::vector<std::uint8_t> GgufWriter::to_bytes() const {
   return out;
 }
 
-// Writes to a temporary file in the same folder and renames it over `path`,
-// so a failed write never leaves a truncated model where a good one was.
+// Through a temporary file renamed over `path` (core/file_io.hpp), so a
+// failed write never leaves a truncated model where a good one was.
 void GgufWriter::write(const std::string& path) const {
   const std::vector<std::uint8_t> bytes = to_bytes();
-  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) fail(ErrorCode::io, "{}: cannot create: {}", tmp, std::strerror(errno));
-  const bool wrote = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const int write_errno = errno;
-  const bool closed = std::fclose(f) == 0;
-  if (!wrote || !closed) {
-    const int err = !wrote ? write_errno : errno;
-    std::remove(tmp.c_str());
-    fail(ErrorCode::io, "{}: cannot write {} bytes: {}", tmp, bytes.size(), std::strerror(err));
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::remove(tmp.c_str());
-    fail(ErrorCode::io, "{}: cannot rename from {}: {}", path, tmp, ec.message());
-  }
+  write_file_atomic(path, std::span<const std::uint8_t>(bytes.data(), bytes.size()));
 }
 
 }  // namespace qkvshare

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/share/hmac_sha256.hpp"
 
 namespace qkvshare {
@@ -280,6 +281,7 @@ std::array<std::uint8_t, kCapabilityBytes> capability_tag(std::span<const std::u
 }
 
 Descriptor read_descriptor_file(const std::string& path) {
+  check_input_file(path, "descriptor file");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorCode::io, "{}: cannot open descriptor file", path);
   // One byte more than a descriptor is enough to tell "too long" apart.
@@ -292,16 +294,7 @@ Descriptor read_descriptor_file(const std::string& path) {
 
 void write_descriptor_file(const std::string& path, const Descriptor& d) {
   const DescriptorBytes b = d.encode();
-  // Write then rename, so a reader never sees half a descriptor.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) fail(ErrorCode::io, "{}: cannot create descriptor file", tmp);
-    out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
-    out.flush();
-    if (!out) fail(ErrorCode::io, "{}: write error", tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) fail(ErrorCode::io, "{}: cannot rename to {}", tmp, path);
+  write_file_atomic(path, std::span<const std::uint8_t>(b.data(), b.size()));  // a reader never sees half of one
 }
 
 }  // namespace qkvshare

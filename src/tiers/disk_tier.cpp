@@ -38,7 +38,7 @@ SpillResult DiskTier::spill(SharePool& pool, const Descriptor& d, std::string_vi
   r.kv_bytes = opened.cache->kv_bytes();
   r.file_bytes = write_file_atomic(r.path, [&](const ByteSink& sink) {
     write_pooled_context(*opened.cache, opened.tokens, opened.text, d.fingerprint, sink, cipher_.get());
-  });
+  }, 0600);
   r.seconds = seconds_since(t0);
   return r;
 }

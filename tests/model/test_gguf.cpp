@@ -237,7 +237,7 @@ TEST(GgufRoundTrip, WriteToFileReplacesAtomically) {
   sample_writer().write(path);
   EXPECT_EQ(GgufFile::open(path)->tensors().size(), 4u);
   for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(path).parent_path()))
-    EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();
+    EXPECT_EQ(e.path().string().find(".part."), std::string::npos) << e.path();
   expect_error([] { sample_writer().write("/nonexistent-dir/x.gguf"); }, ErrorCode::io,
                "/nonexistent-dir/x.gguf");
 }

@@ -25,6 +25,7 @@
 #include <string_view>
 #include <vector>
 
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/kv/kv_cache.hpp"
 #include "qkvshare/kv/kv_format.hpp"
 
@@ -102,7 +103,6 @@ void tile_from_canonical(const KvCodec& codec, int block_tokens, int head_dim, c
 // (checksums first, so the table can precede the payloads). With `cipher`,
 // payloads are sealed. Returns the total bytes written.
 using BlockSource = std::function<void(std::size_t index, std::span<std::uint8_t> plain)>;
-using ByteSink = std::function<void(std::span<const std::uint8_t> bytes)>;
 std::uint64_t write_context(const ContextMeta& meta, const BlockSource& block, const ByteSink& sink,
                             const BlockCipher* cipher = nullptr);
 // Convenience: the whole encoding in memory.
