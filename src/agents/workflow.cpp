@@ -2,11 +2,13 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sstream>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 
 namespace qkvshare::agents {
 
@@ -171,15 +173,23 @@ class Parser {
   std::string source_;
 };
 
-// Checks that every {placeholder} in a template is one the orchestrator fills.
-void check_template(const std::string& source, int line, const std::string& text,
+// Checks that every {placeholder} in step's template is one the orchestrator
+// fills: {output:X} only for a step X that this step reads (its output exists
+// by then).
+void check_template(const std::string& source, int line, const std::string& text, const StepSpec& step,
                     const std::set<std::string>& step_ids, const std::map<std::string, std::string>& docs) {
   for (std::size_t pos = text.find('{'); pos != std::string::npos; pos = text.find('{', pos + 1)) {
     const std::size_t end = text.find('}', pos);
     if (end == std::string::npos) fail(ErrorCode::bad_workflow, "{}:{}: unclosed '{{' in prompt", source, line);
     const std::string name = text.substr(pos + 1, end - pos - 1);
     if (name == "task" || name == "inputs") continue;
-    if (name.rfind("output:", 0) == 0 && step_ids.count(name.substr(7))) continue;
+    if (name.rfind("output:", 0) == 0 && step_ids.count(name.substr(7))) {
+      const std::string from = name.substr(7);
+      const bool reads = std::any_of(step.inputs.begin(), step.inputs.end(), [&](const StepInput& in) { return in.from == from; });
+      if (reads) continue;
+      fail(ErrorCode::bad_workflow, "{}:{}: step '{}' uses '{{{}}}' but does not read step '{}' (add it to its inputs)",
+           source, line, step.id, name, from);
+    }
     if (name.rfind("doc:", 0) == 0 && docs.count(name.substr(4))) continue;
     fail(ErrorCode::bad_workflow,
          "{}:{}: unknown placeholder '{{{}}}' (use {{task}}, {{inputs}}, {{output:STEP}} or {{doc:NAME}})", source,
@@ -235,7 +245,7 @@ void validate(Workflow& w) {
     if (prompt.empty())
       fail(ErrorCode::bad_workflow, "{}:{}: step '{}' has no prompt (set one on the step or agent '{}')", src, s.line,
            s.id, s.agent);
-    check_template(src, s.prompt.empty() ? a.line : s.line, prompt, ids, w.documents);
+    check_template(src, s.prompt.empty() ? a.line : s.line, prompt, s, ids, w.documents);
   }
   // Kahn's algorithm, keeping the written order among ready steps.
   std::map<std::string, int> indegree;
@@ -266,6 +276,7 @@ void validate(Workflow& w) {
 namespace {
 
 std::string read_text_file(const std::string& path) {
+  check_regular_file(path, "file");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorCode::io, "{}: cannot open", path);
   std::stringstream ss;
@@ -320,6 +331,7 @@ Workflow Workflow::parse(const std::string& yaml_text, const std::string& source
 }
 
 Workflow Workflow::load(const std::string& path) {
+  check_regular_file(path, "workflow file");
   std::ifstream in(path);
   if (!in) fail(ErrorCode::io, "{}: cannot open workflow file", path);
   std::stringstream ss;

@@ -49,6 +49,9 @@ nlohmann::json run_batch_bench(Engine& engine, const BatchBenchArgs& a) {
     }
     depths.push_back(d);
   }
+  if (depths.empty())
+    fail(ErrorCode::invalid_argument, "--depths: every depth with {} new tokens exceeds the context length {}: nothing to measure",
+         a.n_gen, c.context_length);
   std::mt19937_64 rng(a.seed);
   std::uniform_int_distribution<TokenId> dist(0, c.vocab_size - 1);
   const auto random_tokens = [&](int n) {

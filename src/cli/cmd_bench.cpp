@@ -18,6 +18,7 @@
 #include "bench_batch.hpp"
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/core/clock.hpp"
 #include "qkvshare/engine/engine.hpp"
 
@@ -178,6 +179,7 @@ void print_table(const Model& model, int threads, const BenchArgs& a, double loa
 }
 
 void run_bench(const BenchArgs& a) {
+  if (!a.json_path.empty()) check_output_file(a.json_path, "--json");  // not after the whole benchmark
   const auto t0 = std::chrono::steady_clock::now();
   auto model = load_model(a.model);
   const double load_s = seconds_since(t0);
@@ -208,6 +210,8 @@ void run_bench(const BenchArgs& a) {
       results.push_back(bench.decode(a.n_gen, depth));
     }
   }
+  if (results.empty() && batch_tests.empty())
+    fail(ErrorCode::invalid_argument, "nothing was measured: every test was skipped (see above) or -p and -n are both 0");
   const std::uint64_t rss = peak_rss_bytes();
   print_table(*model, threads, a, load_s, rss, results);
 
@@ -265,7 +269,7 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--batch", args->batches,
                   "Batched decode instead: sessions decoding together, e.g. 1,2,4,8 (llama-batched-bench's test)")
       ->delimiter(',')
-      ->check(CLI::Range(1, 4096));
+      ->check(CLI::Range(1, EngineOptions{}.max_batch));  // one forward pass holds them all
   cmd->add_flag("--shared-prefix", args->shared_prefix,
                 "Batched decode: all sessions fork one filled context (llama-batched-bench -pps)");
   cmd->add_option("--kv", args->kv, "KV formats of the batched decode tests, e.g. f16,int8,int4")

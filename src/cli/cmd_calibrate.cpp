@@ -10,6 +10,7 @@
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/kernels/ops.hpp"
 #include "qkvshare/kv/dense_kv_cache.hpp"
 #include "qkvshare/kv/kv_codebook.hpp"
@@ -34,6 +35,7 @@ struct CalibrateArgs {
 };
 
 void run_calibrate(const CalibrateArgs& a) {
+  check_output_file(a.out_path, "-o");  // not after the whole calibration
   const std::string text = read_text(a.text_path);
   auto model = load_model(a.model);
   const Tokenizer& tok = model->tokenizer();

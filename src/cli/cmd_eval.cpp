@@ -10,6 +10,7 @@
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/engine/eval.hpp"
 
 namespace qkvshare::cli {
@@ -101,6 +102,7 @@ nlohmann::json to_json(const EvalArgs& a, const EvalReport& r) {
 }
 
 void run_eval(const EvalArgs& a) {
+  if (!a.json_path.empty()) check_output_file(a.json_path, "--json");  // not after the whole evaluation
   if (a.score != "half" && a.score != "all")
     fail(ErrorCode::invalid_argument, "--score must be half or all, got '{}'", a.score);
   if (a.protocol != "prefill" && a.protocol != "handoff")

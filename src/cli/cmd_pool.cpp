@@ -51,8 +51,11 @@ void run_serve(PoolArgs& a) {
       std::fprintf(stderr, "pool %s: reaper: %s\n", a.name.c_str(), e.what());
     }
   }
-  ShmRegion::unlink(a.name);
-  std::fprintf(stderr, "pool %s: %s, unlinked\n", a.name.c_str(), strsignal(sig));
+  if (SharePool::unlink_if_same(a.name, pool->pool_id()))
+    std::fprintf(stderr, "pool %s: %s, unlinked\n", a.name.c_str(), strsignal(sig));
+  else
+    std::fprintf(stderr, "pool %s: %s; the name no longer refers to this pool, left as it is\n", a.name.c_str(),
+                 strsignal(sig));
 }
 
 void run_stat(const PoolArgs& a) {
@@ -84,8 +87,28 @@ void run_ls(const PoolArgs& a) {
   std::printf("%zu grant%s, lease %d ms\n", grants.size(), grants.size() == 1 ? "" : "s", pool->lease_ms());
 }
 
-void run_unlink(const PoolArgs& a) {
+// For pools whose `pool serve` was killed: a pool that live processes still
+// use (its server among them) keeps its name unless --force, since unlinking
+// it would hide every context stored there from the processes that come next.
+void run_unlink(const PoolArgs& a, bool force) {
   ShmRegion::validate_name(a.name);
+  if (!force) {
+    int others = 0;
+    try {
+      auto pool = SharePool::attach(a.name);
+      pool->reap();
+      others = pool->stats().processes - 1;  // not this one
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::io && std::string_view(e.what()).find("does not exist") != std::string_view::npos)
+        fail(ErrorCode::io, "pool '{}' does not exist", a.name);
+      // A region too damaged to attach is left over by definition: remove it.
+    }
+    if (others > 0)
+      fail(ErrorCode::invalid_argument,
+           "pool '{}' is in use by {} live process{} (see `pool ls`): stop its `pool serve` with SIGINT or SIGTERM "
+           "(it unlinks the pool), or pass --force",
+           a.name, others, others == 1 ? "" : "es");
+  }
   if (!ShmRegion::unlink(a.name)) fail(ErrorCode::io, "pool '{}' does not exist", a.name);
 }
 
@@ -126,7 +149,9 @@ void register_pool(CLI::App& app) {
   auto un = std::make_shared<PoolArgs>();
   CLI::App* unlink = cmd->add_subcommand("unlink", "Remove a pool left behind by a `pool serve` that was killed");
   unlink->add_option("--name", un->name, "Pool name")->required();
-  unlink->callback([un] { run_unlink(*un); });
+  auto force = std::make_shared<bool>(false);
+  unlink->add_flag("--force", *force, "Unlink even while live processes use the pool");
+  unlink->callback([un, force] { run_unlink(*un, *force); });
 }
 
 }  // namespace qkvshare::cli

@@ -1,5 +1,6 @@
 // qkvshare run / demo: multi-agent workflows, alone or compared across modes.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include "qkvshare/agents/compare.hpp"
 #include "qkvshare/agents/demo_workflow.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/kv/kv_format.hpp"
 #include "qkvshare/model/model.hpp"
 
@@ -73,6 +75,7 @@ void write_file(const std::string& path, const std::string& text) {
 }
 
 void execute(const Workflow& wf, const RunArgs& a) {
+  if (!a.json.empty()) check_output_file(a.json, "--json");  // not after the whole run
   RunOptions opts;
   opts.mode = parse_run_mode(a.mode);
   KvFormat::parse(a.kv);  // reject a bad --kv before loading anything
@@ -154,7 +157,16 @@ void add_common(CLI::App& cmd, RunArgs& a) {
       ->capture_default_str();
   cmd.add_flag("--compare", a.compare, "Run in every mode and print one comparison table");
   cmd.add_option("--guard-threshold", a.guard_threshold,
-                 "Splice guard: estimate above which more is recomputed (default: calibrated per KV format)");
+                 "Splice guard: estimate above which more is recomputed (default: calibrated per KV format)")
+      ->check(CLI::Validator(
+          [](const std::string& v) -> std::string {
+            char* end = nullptr;
+            const double x = std::strtod(v.c_str(), &end);
+            if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(x) || x < 0)
+              return "'" + v + "' is not a finite number >= 0";
+            return {};
+          },
+          "NUMBER >= 0"));
   cmd.add_option("--modes", a.modes,
                  "With --compare: modes, comma separated (shared-text:f32, independent, shared-text, qkvshare:int8, ...); "
                  "the first is the reference the others are forced along");

@@ -8,6 +8,7 @@
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/engine/splice_eval.hpp"
 
 namespace qkvshare::cli {
@@ -44,11 +45,16 @@ const char* const kQuestions[] = {"Write a short headline and a first sentence a
                                   "List two facts from the text above.", "What is the text above about?",
                                   "Write one quiz question about the text above."};
 
-std::vector<std::string> split(const std::string& s) {
+// A comma-separated list; Error(invalid_argument) for an empty item or list,
+// which would otherwise measure less than asked, or nothing.
+std::vector<std::string> split(const std::string& s, const char* flag) {
+  if (s.empty()) fail(ErrorCode::invalid_argument, "{}: the list is empty", flag);
   std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
+  std::stringstream ss(s + ",");  // so that a trailing comma leaves an empty last item
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (item.empty()) fail(ErrorCode::invalid_argument, "{}: empty item in '{}'", flag, s);
+    out.push_back(item);
+  }
   return out;
 }
 
@@ -57,7 +63,7 @@ std::vector<std::string> split(const std::string& s) {
 template <class T, class Parse, class Ok>
 std::vector<T> parse_list(const std::string& list, Parse parse, Ok ok, const char* flag, const char* what) {
   std::vector<T> out;
-  for (const auto& item : split(list)) {
+  for (const auto& item : split(list, flag)) {
     std::size_t used = 0;
     T v{};
     bool read = false;
@@ -74,14 +80,15 @@ std::vector<T> parse_list(const std::string& list, Parse parse, Ok ok, const cha
 
 void run_splice_eval(const SpliceEvalArgs& a) {
   if (a.sources.empty()) fail(ErrorCode::invalid_argument, "--source FILE is required (one or more)");
+  if (!a.output.empty()) check_output_file(a.output, "-o");
   const auto fractions = parse_list<double>(
       a.fractions, [](const std::string& x, std::size_t* used) { return std::stod(x, used); },
       [](double v) { return v >= 0 && v <= 1; }, "--fractions", "a fraction from 0 to 1");
-  const auto formats = split(a.formats);
+  const auto formats = split(a.formats, "--kv");
   for (const auto& f : formats) KvFormat::parse(f);  // reject a bad one before loading
   SpliceSelection selection;
   selection.head = false;
-  for (const auto& s : split(a.select)) {
+  for (const auto& s : split(a.select, "--select")) {
     if (s == "head") selection.head = true;
     else if (s == "deviation") selection.deviation = true;
     else fail(ErrorCode::invalid_argument, "--select: '{}' is not head or deviation", s);
@@ -107,6 +114,7 @@ void run_splice_eval(const SpliceEvalArgs& a) {
   };
   std::vector<std::vector<TokenId>> texts;
   for (const auto& path : a.sources) {
+    check_input_file(path, "--source");
     std::ifstream in(path, std::ios::binary);
     if (!in) fail(ErrorCode::io, "{}: cannot open", path);
     std::string text(a.max_source_bytes, '\0');

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/core/clock.hpp"
 #include "qkvshare/kernels/packed_weights.hpp"
 #include "qkvshare/kv/kv_kernels.hpp"
@@ -120,6 +121,7 @@ void check_codebook(const KvFormat& format, const Model& model) {
 }
 
 std::string read_text(const std::string& path) {
+  check_input_file(path, "--text");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorCode::io, "--text {}: cannot open", path);
   std::ostringstream s;

@@ -4,6 +4,7 @@
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 
 namespace qkvshare::cli {
 
@@ -30,7 +31,13 @@ ShareRun::ShareRun(const ShareArgs& a, const Model& model, Engine& engine, int c
   if (sharing && a.agent.empty()) fail(ErrorCode::invalid_argument, "--publish and --from need --agent ID");
   if (!a.agent.empty()) validate_agent_id(a.agent, "--agent");
   if (!a.publish.empty() && a.grants.empty()) fail(ErrorCode::invalid_argument, "--publish needs --grant AGENT");
-  for (const std::string& g : a.grants) validate_agent_id(g, "--grant");
+  for (std::size_t i = 0; i < a.grants.size(); ++i) {
+    validate_agent_id(a.grants[i], "--grant");
+    for (std::size_t j = 0; j < i; ++j)
+      if (a.grants[j] == a.grants[i]) fail(ErrorCode::invalid_argument, "--grant: '{}' is named twice", a.grants[i]);
+  }
+  for (const std::string& g : a.grants)  // before the work whose handoff they would carry
+    check_output_file(a.grants.size() == 1 ? a.publish : a.publish + "." + g, "--publish");
   const KvFormat format = KvFormat::parse(a.format);  // a bad --pool-format fails before any work
   check_codebook(format, model);
   fingerprint_ = model_fingerprint(model);
@@ -85,13 +92,21 @@ void ShareRun::finish(Engine& engine, Session& session, const GenerateResult& r)
     engine.forward(session, std::vector<TokenId>{r.tokens.back()});
   const SealedContext sealed = seal_session(*pool_, engine, fingerprint_, session, args_.agent);
   nlohmann::json out = nlohmann::json::array();
-  for (const std::string& g : args_.grants) {
-    const Descriptor d = pool_->grant(sealed, args_.agent, g);
-    const std::string path = args_.grants.size() == 1 ? args_.publish : args_.publish + "." + g;
-    write_descriptor_file(path, d);
-    out.push_back({{"grantee", g}, {"path", path}});
-    std::fprintf(stderr, "handoff: published context %llu (%d tokens) to '%s' in %s\n",
-                 static_cast<unsigned long long>(sealed.context_id), sealed.tokens, g.c_str(), path.c_str());
+  std::vector<Descriptor> granted;
+  try {
+    for (const std::string& g : args_.grants) {
+      granted.push_back(pool_->grant(sealed, args_.agent, g));
+      const std::string path = args_.grants.size() == 1 ? args_.publish : args_.publish + "." + g;
+      write_descriptor_file(path, granted.back());
+      out.push_back({{"grantee", g}, {"path", path}});
+      std::fprintf(stderr, "handoff: published context %llu (%d tokens) to '%s' in %s\n",
+                   static_cast<unsigned long long>(sealed.context_id), sealed.tokens, g.c_str(), path.c_str());
+    }
+  } catch (...) {
+    // No grant without its descriptor: a grantee could never open or release it.
+    for (const Descriptor& d : granted) pool_->revoke(d, args_.agent);
+    pool_->release(sealed);
+    throw;
   }
   pool_->release(sealed);  // the grants keep it now
   report_["published"] = {{"context_id", sealed.context_id}, {"tokens", sealed.tokens}, {"descriptors", out}};

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/model/gguf.hpp"
 #include "tokenizer_bpe.hpp"
 #include "tokenizer_spm.hpp"
@@ -20,6 +21,7 @@ namespace {
 using detail::parse_byte_piece;
 
 std::vector<char> read_whole_file(const std::string& path) {
+  check_input_file(path, "tokenizer file");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorCode::io, "{}: cannot open tokenizer file: {}", path, std::strerror(errno));
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

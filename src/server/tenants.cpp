@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 #include "qkvshare/share/descriptor.hpp"
 #include "qkvshare/share/hmac_sha256.hpp"
 
@@ -18,6 +19,7 @@ std::array<std::uint8_t, 32> digest_of(std::string_view key) {
 }  // namespace
 
 Tenants Tenants::load(const std::string& path) {
+  check_input_file(path, "API key file");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorCode::io, "{}: cannot open the API key file", path);
   std::stringstream ss;

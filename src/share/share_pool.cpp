@@ -143,6 +143,18 @@ std::shared_ptr<SharePool> SharePool::create(const std::string& name, const Shar
   }
 }
 
+bool SharePool::unlink_if_same(const std::string& name, std::uint64_t pool_id) noexcept {
+  try {
+    const auto region = ShmRegion::open(name);
+    if (region->size() < sizeof(ShareHeader)) return false;
+    const auto& h = *reinterpret_cast<const ShareHeader*>(region->data());
+    if (std::memcmp(h.magic, kShareMagic, sizeof kShareMagic) != 0 || h.pool_id != pool_id) return false;
+    return ShmRegion::unlink(name);
+  } catch (const Error&) {
+    return false;  // gone already, or not ours to judge
+  }
+}
+
 std::shared_ptr<SharePool> SharePool::create_anonymous(const ShareConfig& config) {
   check_config(config);
   auto region = ShmRegion::anonymous(config.bytes);

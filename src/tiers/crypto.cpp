@@ -10,6 +10,7 @@
 #include <iterator>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/file_io.hpp"
 
 namespace qkvshare {
 
@@ -34,6 +35,7 @@ int hex_value(char c) {
 }  // namespace
 
 KeyCipher KeyCipher::from_file(const std::string& path) {
+  check_input_file(path, "key file");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorCode::io, "{}: cannot open key file: {}", path, std::strerror(errno));
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

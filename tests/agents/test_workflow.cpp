@@ -96,6 +96,11 @@ TEST(Workflow, RejectsUnknownAgentsStepsFieldsAndModes) {
   expect_bad("agents: {a: {prompt: go}}\nsteps: []\n", "'steps' must be a non-empty list");
   expect_bad("steps: [{id: x, agent: a}]\n", "'agents' must be a non-empty mapping");
   expect_bad("- just\n- a list\n", "must be a mapping");
+  // {output:X} only for a step that this one reads: X's output may not exist yet.
+  expect_bad("agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: a}\n  - {id: y, agent: a, prompt: 'see {output:x}'}\n",
+             "bad.yaml:4: step 'y' uses '{output:x}' but does not read step 'x'");
+  expect_bad("agents: {a: {prompt: go}}\nsteps:\n  - {id: y, agent: a, prompt: 'see {output:y}'}\n",
+             "step 'y' uses '{output:y}' but does not read step 'y'");
 }
 
 TEST(Workflow, RejectsBadFieldValues) {

@@ -58,7 +58,7 @@ expect_error "--reps" bench -m "$M" -r 0
 expect_error "context length" bench -m "$M" -p 100000
 expect_error "KV format 'int9'" bench -m "$M" -r 1 -n 2 --batch 2 --kv f16,int9
 expect_error "--batch" bench -m "$M" -r 1 -n 2 --batch 0
-expect_error "--batch: 300 is not in" bench -m "$M" -r 1 -n 2 --batch 300
+expect_error "--batch: Value 300 not in range 1 to 256" bench -m "$M" -r 1 -n 2 --batch 300
 expect_error "--n-gen" bench -m "$M" -r 1 -n 0 --batch 2
 [ -e "$tmp/x.gguf" ] && { echo "FAIL: a failed make-model left $tmp/x.gguf"; fails=$((fails+1)); }
 

@@ -93,6 +93,50 @@ expect_error "a comparison runs every mode" run "$(dirname "$0")/../../examples/
 expect_error "qkvshare:int4 is not among --modes" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --compare --kv int4 --modes shared-text:f32,qkvshare:int8
 expect_error "model not found" demo -m "$tmp/none.gguf"
 
+# Directories where a file is expected name the file, and output paths are
+# checked before the work (nothing half-written, no grant without a descriptor).
+mkdir -p "$tmp/adir"
+expect_error "tokenizer file '$tmp/adir': is a directory" generate -m "$S" -t "$tmp/adir" -p hi
+expect_error "PQ codebook '$tmp/adir': is a directory" eval -m "$S" -t "$T" --text "$SRC" --kv "pq4:book=$tmp/adir" --ctx 64 --max-tokens 64
+expect_error "--text '$tmp/adir': is a directory" eval -m "$S" -t "$T" --text "$tmp/adir" --kv int8
+expect_error "--source '$tmp/adir': is a directory" splice-eval -m "$S" -t "$T" --source "$tmp/adir"
+expect_error "workflow file '$tmp/adir': is a directory" run "$tmp/adir" -m "$S" -t "$T"
+expect_error "-o '$tmp/adir': is a directory" calibrate -m "$S" -t "$T" --text "$SRC" --tokens 512 --ctx 128 --iterations 1 --sub 2 -o "$tmp/adir"
+[ -z "$(ls "$tmp" | grep -F '.part.')" ] && passes=$((passes+1)) || { echo "FAIL: a part file was left in $tmp"; fails=$((fails+1)); }
+expect_error "--guard-threshold: 'nan' is not a finite number >= 0" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --guard-threshold nan
+expect_error "--guard-threshold: '-1' is not a finite number >= 0" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --guard-threshold -1
+expect_error "--kv: empty item in 'int4,,int8'" splice-eval -m "$S" -t "$T" --source "$SRC" --kv int4,,int8
+expect_error "--fractions: empty item in '0.1,'" splice-eval -m "$S" -t "$T" --source "$SRC" --fractions 0.1,
+expect_error "--kv: the list is empty" splice-eval -m "$S" -t "$T" --source "$SRC" --kv ""
+expect_error "nothing to measure" bench -m "$S" -t "$T" -n 4 -r 1 --batch 2 -d 1000
+expect_error "nothing was measured" bench -m "$S" -t "$T" -n 4 -p 0 -r 1 -d 1000
+expect_error "--publish '$tmp/adir': is a directory" generate -m "$S" -t "$T" -p hi -n 2 --pool none --publish "$tmp/adir" --agent A --grant B
+expect_error "--grant: 'B' is named twice" generate -m "$S" -t "$T" -p hi -n 2 --pool none --publish "$tmp/d.desc" --agent A --grant B --grant B
+cat > "$tmp/nondep.yaml" <<'YAML'
+agents:
+  a: {prompt: "Once"}
+steps:
+  - {id: s1, agent: a}
+  - {id: s2, agent: a, prompt: "see {output:s1}"}
+YAML
+expect_error "nondep.yaml:5: step 's2' uses '{output:s1}' but does not read step 's1'" run "$tmp/nondep.yaml" -m "$S" -t "$T"
+
+# A pool that live processes use keeps its name, and a server that stops
+# removes its own pool's name only, never a newer pool given the same name.
+PN=qkvshare-cli-unlink-test-$$
+start_pool() { "$CLI" pool serve --name "$PN" --bytes 16M > "$tmp/$1.log" 2>&1 & echo $! > "$tmp/$1.pid";
+  for _ in $(seq 50); do grep -q ready "$tmp/$1.log" && return; sleep 0.1; done; }
+stop_pool() { kill -TERM "$(cat "$tmp/$1.pid")"; wait "$(cat "$tmp/$1.pid")" 2>/dev/null; }
+start_pool first
+expect_error "pool '$PN' is in use by 1 live process" pool unlink --name "$PN"
+"$CLI" pool unlink --name "$PN" --force && passes=$((passes+1)) || { echo "FAIL: unlink --force"; fails=$((fails+1)); }
+start_pool second
+stop_pool first
+grep -q "no longer refers to this pool" "$tmp/first.log" && "$CLI" pool stat --name "$PN" >/dev/null 2>&1 \
+  && passes=$((passes+1)) || { echo "FAIL: stopping the first server removed the second pool"; cat "$tmp/first.log"; fails=$((fails+1)); }
+stop_pool second
+expect_error "pool '$PN' does not exist" pool unlink --name "$PN"
+
 # --help works on every command.
 for cmd in "" generate tokenize logits run demo; do
   if ! "$CLI" $cmd --help >/dev/null 2>&1; then echo "FAIL: '$cmd --help' failed"; fails=$((fails+1)); else passes=$((passes+1)); fi

@@ -122,6 +122,10 @@ class SharePool {
   static std::shared_ptr<SharePool> create_anonymous(const ShareConfig& config);
   // A region mapped already (e.g. inherited across fork()): validates and registers.
   static std::shared_ptr<SharePool> attach_region(std::shared_ptr<ShmRegion> region);
+  // Removes NAME only while it still names the pool `pool_id` (a server
+  // shutting down must not remove a newer pool given the same name after its
+  // own was unlinked); false when it did not.
+  static bool unlink_if_same(const std::string& name, std::uint64_t pool_id) noexcept;
   ~SharePool();
   SharePool(const SharePool&) = delete;
   SharePool& operator=(const SharePool&) = delete;
