@@ -64,6 +64,7 @@ void bind_agents(nb::module_& m) {
       .def_static(
           "load",
           [](const std::string& path) {
+            check_path(path, "path");
             nb::gil_scoped_release release;
             return Workflow::load(path);
           },
@@ -85,7 +86,7 @@ void bind_agents(nb::module_& m) {
       })
       .def(
           "run",
-          [](const Workflow& w, nb::handle model, const std::string& mode, const std::string& kv, int threads,
+          [](const Workflow& w, nb::handle model, const std::string& mode, const std::string& kv, IntArg threads_arg,
              int context, int max_tokens_cap, bool exact_matmul, bool float_activations) {
             std::string path, tokenizer;
             if (nb::isinstance<ModelBox>(model)) {
@@ -93,7 +94,8 @@ void bind_agents(nb::module_& m) {
               path = b.model->path();
               tokenizer = b.tokenizer_path;
             } else if (nb::isinstance<nb::str>(model)) {
-              path = nb::cast<std::string>(model);
+              path = text_value(model, "run: model");
+              check_path(path, "run: model");
             } else {
               throw nb::type_error("run: model must be a qkvshare.Model or a path (str)");
             }
@@ -101,7 +103,7 @@ void bind_agents(nb::module_& m) {
             o.mode = agents::parse_run_mode(mode);
             o.kv = kv;
             KvFormat::parse(kv);  // a bad name fails before the model loads
-            if (threads < 0) fail(ErrorCode::invalid_argument, "run: threads must be >= 0, got {}", threads);
+            const int threads = threads_value(threads_arg, "run: threads");
             if (context < 1) fail(ErrorCode::invalid_argument, "run: context must be >= 1, got {}", context);
             if (max_tokens_cap < 0)
               fail(ErrorCode::invalid_argument, "run: max_tokens_cap must be >= 0, got {}", max_tokens_cap);

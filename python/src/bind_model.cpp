@@ -22,15 +22,16 @@ std::string chat_text(const nb::handle& messages, bool add_generation_prompt) {
   std::vector<ChatMessage> turns;
   for (nb::handle item : messages) {
     ChatMessage m;
+    const std::string at = "chat message " + std::to_string(turns.size()) + ": ";
     if (nb::isinstance<nb::dict>(item)) {
       nb::dict d = nb::borrow<nb::dict>(item);
       if (!d.contains("role") || !d.contains("content"))
         fail(ErrorCode::invalid_argument, "chat message {}: a dict needs 'role' and 'content'", turns.size());
-      m.role = nb::cast<std::string>(d["role"]);
-      m.content = nb::cast<std::string>(d["content"]);
+      m.role = text_value(d["role"], at + "'role'");
+      m.content = text_value(d["content"], at + "'content'");
     } else if (nb::isinstance<nb::tuple>(item) && nb::len(item) == 2) {
-      m.role = nb::cast<std::string>(item[0]);
-      m.content = nb::cast<std::string>(item[1]);
+      m.role = text_value(item[0], at + "'role'");
+      m.content = text_value(item[1], at + "'content'");
     } else {
       fail(ErrorCode::invalid_argument, "chat message {}: expected a dict with 'role' and 'content' or a "
            "(role, content) tuple", turns.size());
@@ -47,6 +48,8 @@ void bind_model(nb::module_& m) {
       .def_static(
           "load",
           [](const std::string& path, std::optional<std::string> tokenizer) {
+            check_path(path, "path");
+            if (tokenizer) check_path(*tokenizer, "tokenizer");
             auto box = std::make_shared<ModelBox>();
             box->tokenizer_path = tokenizer.value_or("");
             {
@@ -77,11 +80,11 @@ void bind_model(nb::module_& m) {
                    "32 hex digits naming the model in descriptors.")
       .def(
           "tokenize",
-          [](const ModelBox& b, const std::string& text, bool add_bos, bool special) {
+          [](const ModelBox& b, nb::str text, bool add_bos, bool special) {
             std::vector<TokenId> ids;
             const Tokenizer& tok = b.model->tokenizer();
             if (add_bos && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
-            const auto body = tok.encode(text, special);
+            const auto body = tok.encode(text_value(text, "text"), special);
             ids.insert(ids.end(), body.begin(), body.end());
             return ids;
           },
@@ -107,10 +110,10 @@ void bind_model(nb::module_& m) {
       });
 
   nb::class_<EngineBox>(m, "Engine", "Runs the model's forward pass for any number of sessions.")
-      .def(nb::new_([](std::shared_ptr<ModelBox> model, int threads, int max_batch, bool exact_matmul,
+      .def(nb::new_([](std::shared_ptr<ModelBox> model, IntArg threads_arg, int max_batch, bool exact_matmul,
                        std::optional<int> token_budget, int max_sessions, bool float_activations) {
              if (!model) fail(ErrorCode::invalid_argument, "Engine: model is None");
-             if (threads < 0) fail(ErrorCode::invalid_argument, "Engine: threads must be >= 0, got {}", threads);
+             const int threads = threads_value(threads_arg, "Engine: threads");
              if (max_batch < 1) fail(ErrorCode::invalid_argument, "Engine: max_batch must be >= 1, got {}", max_batch);
              if (token_budget && (*token_budget < 1 || *token_budget > max_batch))
                fail(ErrorCode::invalid_argument, "Engine: token_budget must be in [1, max_batch={}], got {}", max_batch,

@@ -32,19 +32,20 @@ std::size_t incomplete_utf8_tail(std::string_view s) {
   return 0;
 }
 
-GenerateOptions generate_options(int max_tokens, double temperature, int top_k, double top_p, double min_p,
-                                 double repeat_penalty, int repeat_last_n, std::uint64_t seed,
+GenerateOptions generate_options(const IntArg& max_tokens, double temperature, const IntArg& top_k, double top_p,
+                                 double min_p, double repeat_penalty, const IntArg& repeat_last_n, const IntArg& seed,
                                  std::vector<std::string> stop, bool ignore_eos) {
   GenerateOptions o;
-  if (max_tokens < 0) fail(ErrorCode::invalid_argument, "max_tokens must be >= 0, got {}", max_tokens);
-  o.max_new_tokens = max_tokens;
+  o.max_new_tokens = int_value(max_tokens, "max_tokens");
+  if (o.max_new_tokens < 0)
+    fail(ErrorCode::invalid_argument, "max_tokens must be >= 0, got {}", o.max_new_tokens);
   o.sampling.temperature = static_cast<float>(temperature);
-  o.sampling.top_k = top_k;
+  o.sampling.top_k = int_value(top_k, "top_k");
   o.sampling.top_p = static_cast<float>(top_p);
   o.sampling.min_p = static_cast<float>(min_p);
   o.sampling.repeat_penalty = static_cast<float>(repeat_penalty);
-  o.sampling.repeat_last_n = repeat_last_n;
-  o.sampling.seed = seed;
+  o.sampling.repeat_last_n = int_value(repeat_last_n, "repeat_last_n");
+  o.sampling.seed = u64_value(seed, "seed");
   o.sampling.validate();
   o.stop_strings = std::move(stop);
   o.stop_at_end_of_generation = !ignore_eos;
@@ -53,9 +54,10 @@ GenerateOptions generate_options(int max_tokens, double temperature, int top_k, 
 
 // The prompt with the pending token of the previous generate in front.
 std::vector<TokenId> with_pending(SessionBox& s, const nb::handle& prompt, bool special) {
+  const Session& session = s.get();  // a closed session has nothing to read
   std::vector<TokenId> ids;
   if (s.pending) ids.push_back(*s.pending);
-  const bool at_start = s.session->n_past() == 0 && ids.empty();
+  const bool at_start = session.n_past() == 0 && ids.empty();
   const auto body = prompt_ids(*s.engine->model, prompt, at_start, special);
   ids.insert(ids.end(), body.begin(), body.end());
   return ids;
@@ -70,26 +72,30 @@ struct Job {
   std::shared_ptr<std::string> text = std::make_shared<std::string>();
   RequestId id = 0;
   int n_past_before = 0, prompt_tokens = 0;
-  bool active = false;
+  int n_past_after = 0;  // read when collected: the session may be closed by the time finish() runs
+  bool active = false;     // guarded by the GIL: submitted, not finish()ed
+  bool collected = false;  // guarded by the engine's mutex: one caller took the result
 
-  // Call with the GIL held (s->streaming is guarded by it) and the engine's mutex not held.
-  void submit(std::vector<TokenId> prompt, const GenerateOptions& o, bool keep_text, int priority = 0) {
-    Session& session = s->get();
-    n_past_before = session.n_past();
+  // Call with the GIL held (s->use is guarded by it) and the engine's mutex not held.
+  void submit(std::vector<TokenId> prompt, const GenerateOptions& o, SessionBox::Use use, int priority = 0) {
+    s->get();
     prompt_tokens = static_cast<int>(prompt.size());
     Request r;
-    r.session = &session;
     r.prompt = std::move(prompt);
     r.options = o;
     r.priority = priority;
-    if (keep_text) r.on_text = [t = text](std::string_view piece) { t->append(piece); };
+    if (use == SessionBox::Use::stream) r.on_text = [t = text](std::string_view piece) { t->append(piece); };
     {
       nb::gil_scoped_release release;
       std::lock_guard lock(s->engine->mu);
+      Session& session = s->locked();  // a close() or another request may have come first
+      n_past_before = session.n_past();
+      r.session = &session;
       id = s->engine->scheduler->submit(std::move(r));
+      s->queued = true;
     }
     s->pending.reset();  // it is the prompt's first token now
-    s->streaming = true;
+    s->use = use;
     active = true;
   }
   // With the engine's mutex held: the result, if the request has finished.
@@ -100,38 +106,49 @@ struct Job {
     if (it == e.finished.end()) return std::nullopt;
     RequestResult r = std::move(it->second);
     e.finished.erase(it);
+    collected = true;
+    s->queued = false;
+    n_past_after = s->session->n_past();
     return r;
   }
   // With the GIL held: the session is free again; the last sampled token is
   // pending when no pass ran for it.
   void finish(const RequestResult& r) {
     active = false;
-    s->streaming = false;
+    s->use = SessionBox::Use::idle;
     s->logits.reset();  // the logits of prefill() no longer describe the session
-    const int fed = s->session->n_past() - n_past_before - prompt_tokens;
+    const int fed = n_past_after - n_past_before - prompt_tokens;
     const auto& t = r.generation.tokens;
     if (static_cast<int>(t.size()) > fed && !t.empty()) s->pending = t.back();
   }
 };
 
 // Steps the engine's scheduler (one forward pass for every request of this
-// engine) until `job` finishes. Call without the GIL.
-RequestResult run_until_done(Job& job) {
+// engine) until `job` finishes. Call without the GIL. Nothing when another
+// caller collected the result first (a stream's next() in another thread).
+std::optional<RequestResult> run_until_done(Job& job) {
   EngineBox& e = *job.s->engine;
   for (;;) {
     std::lock_guard lock(e.mu);
-    if (auto r = job.poll()) return std::move(*r);
+    if (job.collected) return std::nullopt;
+    if (auto r = job.poll()) return r;
     const bool ran = e.scheduler->step();
-    if (auto r = job.poll()) return std::move(*r);
+    if (auto r = job.poll()) return r;
     if (!ran) fail(ErrorCode::internal, "request {} is neither running nor finished", job.id);
   }
+}
+
+// run_until_done() for a job no other thread can see.
+RequestResult wait(Job& job) {
+  if (auto r = run_until_done(job)) return std::move(*r);
+  fail(ErrorCode::internal, "request {} was collected by another caller", job.id);
 }
 
 class Stream {
  public:
   Stream(std::shared_ptr<SessionBox> s, std::vector<TokenId> prompt, const GenerateOptions& o, int priority) {
     job_.s = std::move(s);
-    job_.submit(std::move(prompt), o, /*keep_text=*/true, priority);
+    job_.submit(std::move(prompt), o, SessionBox::Use::stream, priority);
   }
   ~Stream() {
     try {
@@ -149,13 +166,13 @@ class Stream {
       EngineBox& e = *job_.s->engine;
       std::lock_guard lock(e.mu);
       std::string& text = *job_.text;
-      while (job_.active && !done) {
+      while (!job_.collected) {
         done = job_.poll();
         if (done) break;
         if (text.size() > incomplete_utf8_tail(text)) break;
         e.scheduler->step();
       }
-      const std::size_t keep = done || !job_.active ? 0 : incomplete_utf8_tail(text);
+      const std::size_t keep = job_.collected ? 0 : incomplete_utf8_tail(text);
       out = text.substr(0, text.size() - keep);
       text.erase(0, text.size() - keep);
     }
@@ -169,6 +186,8 @@ class Stream {
   }
 
   // Ends the stream now (the tokens generated so far stay in the session).
+  // A no-op when the stream has ended, also when it just ended in another
+  // thread's next(), which then finishes it.
   void close() {
     if (!job_.active) return;
     std::optional<RequestResult> r;
@@ -176,13 +195,16 @@ class Stream {
       nb::gil_scoped_release release;
       {
         std::lock_guard lock(job_.s->engine->mu);
+        if (job_.collected) return;
         job_.s->engine->scheduler->cancel(job_.id);
       }
       r = run_until_done(job_);
+      std::lock_guard lock(job_.s->engine->mu);
+      job_.text->clear();  // a closed stream yields nothing more
     }
+    if (!r) return;
     job_.finish(*r);
     result_ = r->generation;
-    job_.text->clear();  // a closed stream yields nothing more
   }
   const GenerateResult& result() const { return result_; }
   bool done() const noexcept { return !job_.active; }
@@ -194,10 +216,24 @@ class Stream {
 
 }  // namespace
 
+namespace {
+[[noreturn]] void fail_busy() {
+  fail(ErrorCode::invalid_argument,
+       "the session is busy with another request (a generate() or stream() in another thread)");
+}
+}  // namespace
+
 Session& SessionBox::get() {
   if (!session) fail(ErrorCode::invalid_argument, "the session is closed");
-  if (streaming)
+  if (use == Use::stream)
     fail(ErrorCode::invalid_argument, "the session has a stream in progress: finish the iterator or call its close()");
+  if (use == Use::generate) fail_busy();
+  return *session;
+}
+
+Session& SessionBox::locked() {
+  if (!session) fail(ErrorCode::invalid_argument, "the session is closed");
+  if (queued) fail_busy();
   return *session;
 }
 
@@ -206,16 +242,18 @@ std::vector<TokenId> prompt_ids(const ModelBox& model, const nb::handle& prompt,
   const Tokenizer& tok = model.model->tokenizer();
   if (nb::isinstance<nb::str>(prompt)) {
     if (at_start && tok.add_bos()) ids.push_back(tok.bos_id());
-    const auto body = tok.encode(nb::cast<std::string>(prompt), special);
+    const auto body = tok.encode(text_value(prompt, "prompt"), special);
     ids.insert(ids.end(), body.begin(), body.end());
   } else if (nb::isinstance<nb::sequence>(prompt) && !nb::isinstance<nb::bytes>(prompt)) {
+    const int vocab = model.model->config().vocab_size;
     for (nb::handle item : prompt) {
       if (!nb::isinstance<nb::int_>(item))
         throw nb::type_error("prompt: expected a str or a sequence of int token ids");
-      const long long v = nb::cast<long long>(item);
-      if (v < 0 || v >= model.model->config().vocab_size)
-        fail(ErrorCode::invalid_argument, "prompt: token {} at index {} is outside the vocabulary [0, {})", v,
-             ids.size(), model.model->config().vocab_size);
+      int overflow = 0;  // beyond a long long: outside the vocabulary too
+      const long long v = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
+      if (overflow != 0 || v < 0 || v >= vocab)
+        fail(ErrorCode::invalid_argument, "prompt: token {} at index {} is outside the vocabulary [0, {})",
+             nb::str(item).c_str(), ids.size(), vocab);
       ids.push_back(static_cast<TokenId>(v));
     }
   } else {
@@ -295,11 +333,11 @@ void bind_session(nb::module_& m) {
       .def(
           "prefill",
           [](std::shared_ptr<SessionBox> s, nb::handle prompt, bool all_logits, bool special) {
-            Session& session = s->get();
             std::vector<TokenId> ids = with_pending(*s, prompt, special);
             {
               nb::gil_scoped_release release;
               std::lock_guard lock(s->engine->mu);
+              Session& session = s->locked();  // a close() or a request may have come first
               auto logits = s->engine->engine->forward(session, ids, all_logits);
               store_logits(*s, logits, all_logits ? static_cast<int>(ids.size()) : 1);
               s->pending.reset();
@@ -312,19 +350,20 @@ void bind_session(nb::module_& m) {
           "the model adds BOS; `special` parses texts such as <|im_start|>.")
       .def(
           "generate",
-          [](std::shared_ptr<SessionBox> s, nb::handle prompt, int max_tokens, double temperature, int top_k,
-             double top_p, double min_p, double repeat_penalty, int repeat_last_n, std::uint64_t seed,
-             std::vector<std::string> stop, bool ignore_eos, bool special, int priority) {
+          [](std::shared_ptr<SessionBox> s, nb::handle prompt, IntArg max_tokens, double temperature, IntArg top_k,
+             double top_p, double min_p, double repeat_penalty, IntArg repeat_last_n, IntArg seed,
+             std::vector<std::string> stop, bool ignore_eos, bool special, IntArg priority) {
             s->get();
             const GenerateOptions o = generate_options(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
                                                        repeat_last_n, seed, std::move(stop), ignore_eos);
+            const int p = int_value(priority, "priority");
             Job job;
             job.s = s;
-            job.submit(with_pending(*s, prompt, special), o, /*keep_text=*/false, priority);
+            job.submit(with_pending(*s, prompt, special), o, SessionBox::Use::generate, p);
             RequestResult r;
             {
               nb::gil_scoped_release release;
-              r = run_until_done(job);
+              r = wait(job);
             }
             job.finish(r);
             if (r.error) throw *r.error;
@@ -338,14 +377,15 @@ void bind_session(nb::module_& m) {
           "priority: higher runs first when the engine's token_budget or max_sessions limits a pass.")
       .def(
           "stream",
-          [](std::shared_ptr<SessionBox> s, nb::handle prompt, int max_tokens, double temperature, int top_k,
-             double top_p, double min_p, double repeat_penalty, int repeat_last_n, std::uint64_t seed,
-             std::vector<std::string> stop, bool ignore_eos, bool special, int priority) {
+          [](std::shared_ptr<SessionBox> s, nb::handle prompt, IntArg max_tokens, double temperature, IntArg top_k,
+             double top_p, double min_p, double repeat_penalty, IntArg repeat_last_n, IntArg seed,
+             std::vector<std::string> stop, bool ignore_eos, bool special, IntArg priority) {
             s->get();
             const GenerateOptions o = generate_options(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
                                                        repeat_last_n, seed, std::move(stop), ignore_eos);
+            const int p = int_value(priority, "priority");
             std::vector<TokenId> ids = with_pending(*s, prompt, special);
-            return new Stream(s, std::move(ids), o, priority);
+            return new Stream(s, std::move(ids), o, p);
           },
           nb::arg("prompt"), nb::arg("max_tokens") = 128, nb::arg("temperature") = 0.8, nb::arg("top_k") = 40,
           nb::arg("top_p") = 0.95, nb::arg("min_p") = 0.05, nb::arg("repeat_penalty") = 1.0,
@@ -393,9 +433,16 @@ void bind_session(nb::module_& m) {
       }, "How pool.open() made this session: kv (continued on the producer's blocks) or fallback (none, model, format, checksum, shape, requested) with detail.")
       .def_prop_ro("closed", [](const SessionBox& s) { return !s.session; })
       .def("close", [](SessionBox& s) {
-        if (s.streaming) fail(ErrorCode::invalid_argument, "the session has a stream in progress");
+        if (!s.session) return;
+        s.get();  // a stream or request in progress: raises
         nb::gil_scoped_release release;
         std::lock_guard lock(s.engine->mu);
+        if (!s.session) return;  // another thread's close() came first
+        if (s.queued) fail_busy();
+        // Callers that read the session with only the GIL held (properties,
+        // get()) must see it alive or gone: the GIL too. No thread waits for
+        // the engine's mutex while it holds the GIL, so this cannot deadlock.
+        nb::gil_scoped_acquire acquire;
         s.session.reset();  // gives the KV blocks back
       }, "Frees the session's KV now (later calls raise).")
       .def("__repr__", [](const SessionBox& s) {
@@ -408,8 +455,8 @@ void bind_session(nb::module_& m) {
       engine_type, "generate_batch",
       nb::cpp_function(
           [](std::shared_ptr<EngineBox> e, std::vector<std::shared_ptr<SessionBox>> sessions, nb::list prompts,
-             int max_tokens, double temperature, int top_k, double top_p, double min_p, double repeat_penalty,
-             int repeat_last_n, std::uint64_t seed, std::vector<std::string> stop, bool ignore_eos, bool special,
+             IntArg max_tokens, double temperature, IntArg top_k, double top_p, double min_p, double repeat_penalty,
+             IntArg repeat_last_n, IntArg seed, std::vector<std::string> stop, bool ignore_eos, bool special,
              std::optional<std::vector<int>> priorities) {
             if (sessions.size() != nb::len(prompts))
               fail(ErrorCode::invalid_argument, "generate_batch: {} sessions but {} prompts", sessions.size(),
@@ -424,6 +471,7 @@ void bind_session(nb::module_& m) {
               if (!sessions[i]) fail(ErrorCode::invalid_argument, "generate_batch: session {} is None", i);
               if (sessions[i]->engine != e)
                 fail(ErrorCode::invalid_argument, "generate_batch: session {} belongs to another engine", i);
+              sessions[i]->get();  // closed or busy: nothing of the batch starts
               for (std::size_t j = 0; j < i; ++j)
                 if (sessions[j] == sessions[i])
                   fail(ErrorCode::invalid_argument, "generate_batch: session {} is also session {}", i, j);
@@ -434,8 +482,8 @@ void bind_session(nb::module_& m) {
             try {
               for (; submitted < jobs.size(); ++submitted) {
                 jobs[submitted].s = sessions[submitted];
-                jobs[submitted].submit(with_pending(*sessions[submitted], prompts[submitted], special), o, false,
-                                       priorities ? (*priorities)[submitted] : 0);
+                jobs[submitted].submit(with_pending(*sessions[submitted], prompts[submitted], special), o,
+                                       SessionBox::Use::generate, priorities ? (*priorities)[submitted] : 0);
               }
             } catch (...) {
               // Nothing of a batch that could not start runs: cancel what was queued.
@@ -447,7 +495,7 @@ void bind_session(nb::module_& m) {
                     std::lock_guard lock(e->mu);
                     e->scheduler->cancel(jobs[i].id);
                   }
-                  r = run_until_done(jobs[i]);
+                  r = wait(jobs[i]);
                 }
                 jobs[i].finish(r);
               }
@@ -455,7 +503,7 @@ void bind_session(nb::module_& m) {
             }
             {
               nb::gil_scoped_release release;
-              for (std::size_t i = 0; i < jobs.size(); ++i) results[i] = run_until_done(jobs[i]);
+              for (std::size_t i = 0; i < jobs.size(); ++i) results[i] = wait(jobs[i]);
             }
             std::vector<GenerateResult> out;
             for (std::size_t i = 0; i < jobs.size(); ++i) {
@@ -478,7 +526,8 @@ void bind_session(nb::module_& m) {
   nb::setattr(
       engine_type, "session",
       nb::cpp_function(
-          [](std::shared_ptr<EngineBox> e, const std::string& kv, PoolBox* pool, int capacity) {
+          [](std::shared_ptr<EngineBox> e, const std::string& kv, PoolBox* pool, IntArg capacity_arg) {
+            const int capacity = int_value(capacity_arg, "capacity");
             auto s = std::make_shared<SessionBox>();
             s->engine = e;
             s->kv = kv;

@@ -6,6 +6,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
+
 #include "py_common.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/engine/splice.hpp"
@@ -52,10 +54,12 @@ namespace {
 
 nb::object json_loads(const std::string& text) { return nb::module_::import_("json").attr("loads")(text); }
 
-ShareConfig share_config(std::size_t bytes, int block_tokens, int max_contexts, int max_grants, int max_processes,
+ShareConfig share_config(const IntArg& bytes, int block_tokens, int max_contexts, int max_grants, int max_processes,
                          int max_tokens) {
   ShareConfig c;
-  c.bytes = bytes;
+  c.bytes = u64_value(bytes, "bytes");
+  // Mapping 0 bytes fails as if memory had run out: it is the same mistake as 1.
+  if (c.bytes == 0) fail(ErrorCode::invalid_argument, "share pool of 0 bytes is too small: bytes must be > 0");
   c.block_tokens = block_tokens;
   c.max_contexts = max_contexts;
   c.max_grants = max_grants;
@@ -164,7 +168,7 @@ void bind_share(nb::module_& m) {
   nb::class_<PoolBox>(m, "Pool", "A shared context pool: the KV arena and the registry of sealed contexts.")
       .def_static(
           "anonymous",
-          [](std::size_t bytes, int block_tokens, int max_contexts, int max_grants, int max_processes, int max_tokens) {
+          [](IntArg bytes, int block_tokens, int max_contexts, int max_grants, int max_processes, int max_tokens) {
             auto box = std::make_shared<PoolBox>();
             const ShareConfig c = share_config(bytes, block_tokens, max_contexts, max_grants, max_processes, max_tokens);
             nb::gil_scoped_release release;
@@ -176,7 +180,7 @@ void bind_share(nb::module_& m) {
           "A pool in this process's memory (and children it forks).")
       .def_static(
           "create",
-          [](const std::string& name, std::size_t bytes, int block_tokens, int max_contexts, int max_grants,
+          [](const std::string& name, IntArg bytes, int block_tokens, int max_contexts, int max_grants,
              int max_processes, int max_tokens, bool unlink_on_close) {
             auto box = std::make_shared<PoolBox>();
             const ShareConfig c = share_config(bytes, block_tokens, max_contexts, max_grants, max_processes, max_tokens);
@@ -208,9 +212,10 @@ void bind_share(nb::module_& m) {
       .def(
           "open",
           [](PoolBox& p, const Descriptor& d, std::shared_ptr<EngineBox> engine, const std::string& agent,
-             const std::string& mode, bool verify, int capacity, bool release_grant) {
+             const std::string& mode, bool verify, IntArg capacity_arg, bool release_grant) {
             SharePool& pool = p.get();
             if (!engine) fail(ErrorCode::invalid_argument, "open: engine is None");
+            const int capacity = int_value(capacity_arg, "capacity");
             HandoffOptions o;
             o.mode = parse_handoff_mode(mode);
             o.verify = verify;
@@ -291,7 +296,7 @@ void bind_share(nb::module_& m) {
       session_type, "seal",
       nb::cpp_function(
           [](std::shared_ptr<SessionBox> s, const std::string& producer) {
-            Session& session = s->get();
+            s->get();
             if (!s->pool)
               fail(ErrorCode::invalid_argument,
                    "seal: the session's KV is private; create it with engine.session(kv=..., pool=pool)");
@@ -300,6 +305,7 @@ void bind_share(nb::module_& m) {
             c->producer = producer;
             nb::gil_scoped_release release;
             std::lock_guard lock(s->engine->mu);
+            Session& session = s->locked();  // a close() or a request may have come first
             Engine& engine = *s->engine->engine;
             feed_pending(*s, engine, session);
             c->sealed = seal_session(*s->pool, engine, s->engine->model->fingerprint, session, producer);
@@ -315,7 +321,7 @@ void bind_share(nb::module_& m) {
           [](std::shared_ptr<SessionBox> s, std::shared_ptr<PoolBox> p, const Descriptor& d, const std::string& agent,
              int begin, std::optional<int> end, double recompute, bool guard, std::optional<double> threshold,
              bool release_grant) {
-            Session& session = s->get();
+            s->get();
             if (!p) fail(ErrorCode::invalid_argument, "splice: pool is None");
             SharePool& pool = p->get();
             if (!s->pool || s->pool != p->pool)
@@ -328,13 +334,17 @@ void bind_share(nb::module_& m) {
             SpliceOptions o;
             o.recompute = recompute;
             o.guard = guard;
+            // The library reads a negative threshold as "calibrated": only None may mean that.
+            if (threshold && !(std::isfinite(*threshold) && *threshold >= 0.0))
+              fail(ErrorCode::invalid_argument, "splice: threshold must be a finite number >= 0 (or None), got {}",
+                   *threshold);
             if (threshold) o.threshold = *threshold;
             SpliceResult r;
             {
               nb::gil_scoped_release release;
               std::lock_guard lock(s->engine->mu);
+              Session& session = s->locked();  // a close() or a request may have come first
               OpenedContext oc = pool.open(d, agent, true, session.cache().capacity());
-              if (release_grant) pool.release(d, agent);  // the session takes its own block references
               if (!oc.cache)
                 fail(ErrorCode::bad_descriptor, "splice: the context's KV cannot be used here: {}{}",
                      to_string(oc.refused), oc.refused_detail.empty() ? "" : " (" + oc.refused_detail + ")");
@@ -347,6 +357,9 @@ void bind_share(nb::module_& m) {
               feed_pending(*s, engine, session);  // the last generated token goes in first, in its place
               r = splice_tokens(engine, session, *oc.cache, oc.tokens, begin, stop, o);
               s->logits.reset();  // no pass ended on the spliced tokens' last position
+              // Only now: a call that fails leaves the descriptor openable. The
+              // session holds its own block references.
+              if (release_grant) pool.release(d, agent);
             }
             nb::dict out;
             out["tokens"] = r.tokens;

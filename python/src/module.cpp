@@ -5,6 +5,8 @@
 // (ValueError, OSError, MemoryError) so generic handlers catch them.
 #include <nanobind/nanobind.h>
 
+#include <climits>
+
 #include "py_common.hpp"
 #include "qkvshare/core/error.hpp"
 
@@ -24,7 +26,71 @@ constexpr int kCodes = static_cast<int>(ErrorCode::internal) + 1;
 PyObject* g_classes[kCodes] = {};
 const char* g_code_names[kCodes] = {};
 
+// The value as a Python int: an int, or anything with __index__ (as
+// nanobind's own int arguments take), else TypeError.
+nb::object as_index(const IntArg& v, std::string_view name) {
+  PyObject* i = PyNumber_Index(v.value.ptr());
+  if (i == nullptr) {
+    PyErr_Clear();
+    throw nb::type_error(fmt::format("{} must be an int, got {}", name, nb::type_name(v.value.type()).c_str()).c_str());
+  }
+  return nb::steal(i);
+}
+
+std::string int_text(const nb::object& i) { return nb::str(i).c_str(); }
+
 }  // namespace
+
+int int_value(const IntArg& v, std::string_view name) {
+  const nb::object i = as_index(v, name);
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow != 0 || x < INT_MIN || x > INT_MAX)
+    fail(ErrorCode::invalid_argument, "{} {} is out of range (a 32-bit int, [{}, {}])", name, int_text(i), INT_MIN,
+         INT_MAX);
+  return static_cast<int>(x);
+}
+
+std::uint64_t u64_value(const IntArg& v, std::string_view name) {
+  const nb::object i = as_index(v, name);
+  const unsigned long long x = PyLong_AsUnsignedLongLong(i.ptr());
+  if (x == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
+    PyErr_Clear();
+    fail(ErrorCode::invalid_argument, "{} {} is out of range (a 64-bit unsigned int, [0, 2**64))", name, int_text(i));
+  }
+  return x;
+}
+
+int threads_value(const IntArg& v, std::string_view name) {
+  const nb::object i = as_index(v, name);
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow < 0 || (overflow == 0 && x < 0))
+    fail(ErrorCode::invalid_argument, "{} must be >= 0, got {}", name, int_text(i));
+  // More threads than any machine has cores only exhausts the process's
+  // threads (or the host's pids) before the engine could start.
+  if (overflow > 0 || x > kMaxThreads)
+    fail(ErrorCode::invalid_argument, "{} must be <= {} (0: all hardware threads), got {}", name, kMaxThreads,
+         int_text(i));
+  return static_cast<int>(x);
+}
+
+std::string text_value(nb::handle v, std::string_view name) {
+  if (!nb::isinstance<nb::str>(v))
+    throw nb::type_error(fmt::format("{} must be a str, got {}", name, nb::type_name(v.type()).c_str()).c_str());
+  Py_ssize_t n = 0;
+  const char* p = PyUnicode_AsUTF8AndSize(v.ptr(), &n);
+  if (p == nullptr) {
+    PyErr_Clear();
+    fail(ErrorCode::invalid_argument, "{} cannot be encoded as UTF-8 (it holds a lone surrogate)", name);
+  }
+  return std::string(p, static_cast<std::size_t>(n));
+}
+
+void check_path(const std::string& path, std::string_view name) {
+  if (path.find('\0') != std::string::npos)
+    fail(ErrorCode::invalid_argument, "{}: path contains a NUL character", name);
+}
 
 void register_errors(nb::module_& m) {
   g_error = PyErr_NewExceptionWithDoc("qkvshare.Error",

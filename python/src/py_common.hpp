@@ -10,10 +10,12 @@
 // sessions of an engine; sessions of different engines run in parallel.
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <map>
@@ -79,10 +81,18 @@ struct SessionBox {
   // pass, so a NumPy view handed out earlier never dangles or changes.
   std::shared_ptr<std::vector<float>> logits;
   int logits_rows = 0;
-  bool streaming = false;  // a stream() iterator is running on this session
+  // A request of the engine's scheduler runs on the session: a stream's, or a
+  // generate() of another thread (guarded by the GIL; other calls raise).
+  enum class Use { idle, generate, stream };
+  Use use = Use::idle;
+  // The scheduler holds the session for a request not collected yet (guarded
+  // by the engine's mutex). close() frees the session with both the GIL and
+  // the mutex held, so a caller holding either sees it alive or closed.
+  bool queued = false;
   HandoffInfo handoff;
 
-  Session& get();  // Error(invalid_argument) when closed or streaming
+  Session& get();     // with the GIL: Error(invalid_argument) when closed or in use
+  Session& locked();  // with the engine's mutex: the same, for a call that waited for it after get()
 };
 
 // A producer's claim on a sealed context.
@@ -94,6 +104,43 @@ struct ContextBox {
   ~ContextBox();
   void check_live() const;
 };
+
+// An int argument the binding range-checks itself (int_value, u64_value),
+// so that a value out of range gets an error naming the parameter instead of
+// nanobind's generic "incompatible function arguments". Shown as `int`.
+struct IntArg {
+  nb::object value;
+};
+
+}  // namespace qkvshare::py
+
+namespace nanobind::detail {
+template <>
+struct type_caster<qkvshare::py::IntArg> {
+  NB_TYPE_CASTER(qkvshare::py::IntArg, const_name("int"))
+  bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
+    value.value = borrow(src);
+    return true;
+  }
+  static handle from_cpp(const qkvshare::py::IntArg& v, rv_policy, cleanup_list*) noexcept {
+    return v.value.inc_ref();
+  }
+};
+}  // namespace nanobind::detail
+
+namespace qkvshare::py {
+
+// Argument checks (module.cpp). TypeError for a value of the wrong type,
+// Error(invalid_argument) naming `name` for one out of range.
+int int_value(const IntArg& v, std::string_view name);
+std::uint64_t u64_value(const IntArg& v, std::string_view name);
+// A str as UTF-8 (a lone surrogate cannot be encoded).
+std::string text_value(nb::handle v, std::string_view name);
+// A file path for the C library, which would end it at a NUL.
+void check_path(const std::string& path, std::string_view name);
+// The bound of the CLI's --threads.
+inline constexpr int kMaxThreads = 1024;
+int threads_value(const IntArg& v, std::string_view name);
 
 // Raises qkvshare errors as Python exceptions (module.cpp).
 void register_errors(nb::module_& m);

@@ -14,7 +14,9 @@
 namespace qkvshare {
 
 MappedFile::MappedFile(const std::string& path, Mode mode) : path_(path), mode_(mode) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
+  // before the check below could reject it (it changes nothing for a regular file).
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail(ErrorCode::io, "{}: cannot open: {}", path, std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
@@ -87,7 +89,7 @@ void MappedFile::release(const std::uint8_t* from, const std::uint8_t* to) const
     ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
     return;
   }
-  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // never waits, as above
   if (fd < 0) return;
   ::mmap(reinterpret_cast<void*>(lo), hi - lo, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, static_cast<off_t>(lo - base));
   ::close(fd);

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <system_error>
+
+#include "qkvshare/core/error.hpp"
 
 namespace qkvshare {
 
@@ -91,10 +94,24 @@ ThreadPool::ThreadPool(int n_threads) {
   if (n_threads <= 0) n_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   n_threads_ = n_threads;
   workers_.reserve(static_cast<std::size_t>(n_threads_ - 1));
-  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  try {
+    for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  } catch (const std::system_error& e) {
+    // No destructor runs for a half-built pool: the workers already started
+    // would wait forever on members being destroyed.
+    const std::size_t started = workers_.size() + 1;  // the caller counts
+    stop_workers();
+    fail(ErrorCode::out_of_memory, "thread pool: cannot start {} threads, the system refused after {}: {}",
+         n_threads_, started, e.what());
+  } catch (...) {
+    stop_workers();
+    throw;
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+void ThreadPool::stop_workers() noexcept {
   stop_.store(true);
   {
     // Taking the lock orders the store before any sleeper's predicate check.
@@ -102,6 +119,7 @@ ThreadPool::~ThreadPool() {
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
+  workers_.clear();
 }
 
 void ThreadPool::run_share(int index) noexcept {

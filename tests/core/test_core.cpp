@@ -1,6 +1,10 @@
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -75,6 +79,28 @@ TEST(MappedFile, MapsContentAndNamesMissingFiles) {
     EXPECT_NE(std::string(e.what()).find("f.bin.nope"), std::string::npos);
   }
   EXPECT_THROW(MappedFile(testing::temp_dir()), Error);  // a directory
+}
+
+// A FIFO is refused without waiting for a writer (open() used to block
+// forever before the regular-file check). The alarm turns a hang into a failure.
+TEST(MappedFile, RefusesAFifoWithoutBlocking) {
+  if (std::getenv("QKVSHARE_EMULATED") != nullptr) GTEST_SKIP() << "under qemu-user (scripts/test_aarch64.sh)";
+  const std::string path = testing::temp_dir() + "/fifo";
+  ::unlink(path.c_str());
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  EXPECT_EXIT(
+      {
+        ::alarm(20);
+        try {
+          MappedFile f(path);
+          std::_Exit(10);
+        } catch (const Error& e) {
+          const bool named = std::string(e.what()) == path + ": not a regular file";
+          std::_Exit(e.code() == ErrorCode::io && named ? 0 : 11);
+        }
+      },
+      ::testing::ExitedWithCode(0), "");
+  ::unlink(path.c_str());
 }
 
 TEST(MappedFile, EmptyFileAndMove) {

@@ -2,13 +2,19 @@
 // and both wake-up paths (spinning workers, sleeping workers). Also run
 // under TSan (-DQKVSHARE_TSAN=ON).
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <fstream>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "qkvshare/core/error.hpp"
 #include "qkvshare/core/thread_pool.hpp"
 
 namespace qkvshare {
@@ -109,6 +115,63 @@ TEST(ThreadPool, DestroysWhileWorkersSpinOrSleep) {
     expect_each_index_once(pool, 40, 1);
     std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
   }
+}
+
+// The line "Threads: N" of /proc/self/status.
+int threads_of_this_process() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
+  return -1;
+}
+
+// Address space for a few thread stacks more than the process maps now, so
+// the system refuses a thread part-way through a big pool.
+void leave_room_for_a_few_threads() {
+  std::ifstream statm("/proc/self/statm");
+  std::size_t pages = 0;
+  statm >> pages;
+  const rlim_t limit = pages * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)) + (rlim_t{40} << 20);
+  const rlimit rl{limit, limit};
+  ::setrlimit(RLIMIT_AS, &rl);
+}
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define QKVSHARE_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define QKVSHARE_TEST_SANITIZED 1
+#endif
+#endif
+
+// A half-built pool used to hang (the started workers waited on a condition
+// variable being destroyed) or terminate (joinable threads destroyed). It must
+// stop and join what it started and throw an Error. In a child process,
+// under an address-space limit and an alarm that turns a hang into a failure.
+TEST(ThreadPool, RefusedThreadStopsTheStartedOnesAndThrows) {
+#ifdef QKVSHARE_TEST_SANITIZED
+  GTEST_SKIP() << "sanitizers reserve address space an RLIMIT_AS cannot leave room for";
+#endif
+  if (std::getenv("QKVSHARE_EMULATED") != nullptr) GTEST_SKIP() << "under qemu-user (scripts/test_aarch64.sh)";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        ::alarm(30);
+        const int before = threads_of_this_process();
+        leave_room_for_a_few_threads();
+        try {
+          ThreadPool pool(512);
+          std::_Exit(10);  // the limit did not bite
+        } catch (const Error& e) {
+          const bool named = std::string(e.what()).find("cannot start 512 threads") != std::string::npos;
+          const int code = e.code() != ErrorCode::out_of_memory ? 11
+                           : !named                             ? 12
+                           : threads_of_this_process() != before ? 13
+                                                                 : 0;
+          std::_Exit(code);
+        }
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

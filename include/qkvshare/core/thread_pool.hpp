@@ -22,6 +22,7 @@ namespace qkvshare {
 class ThreadPool {
  public:
   // n_threads counts the calling thread; 0 means all hardware threads.
+  // Error(out_of_memory) when the system cannot start that many threads.
   explicit ThreadPool(int n_threads = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -37,6 +38,7 @@ class ThreadPool {
                     const std::function<void(std::size_t, std::size_t, int)>& fn);
 
  private:
+  void stop_workers() noexcept;
   void worker_loop(int index);
   void run_share(int index) noexcept;
   bool wait_for_generation(std::uint64_t seen);
