@@ -101,8 +101,7 @@ TEST(PathChecks, NameWhatIsWrongBeforeAnyWork) {
   EXPECT_NO_THROW(check_output_file("/dev/null", "--json"));
 
   EXPECT_EQ(error_of([&] { check_input_file(dir, "--text"); }, ErrorCode::io), "--text '" + dir + "': is a directory");
-  EXPECT_NE(error_of([&] { check_input_file(dir + "/missing.txt", "--text"); }, ErrorCode::io).find("No such file"),
-            std::string::npos);
+  EXPECT_NO_THROW(check_input_file(dir + "/missing.txt", "--text"));  // left to the reader's open
   EXPECT_NO_THROW(check_input_file("/dev/null", "--text"));
   EXPECT_EQ(error_of([&] { check_regular_file("/dev/null", "document"); }, ErrorCode::io),
             "document '/dev/null': not a regular file");

@@ -29,8 +29,9 @@ std::uint64_t write_file_atomic(const std::string& path, std::span<const std::ui
 // long work whose result would be lost at the end.
 void check_output_file(const std::string& path, std::string_view what);
 
-// Error(io) "<what> '<path>': is a directory" / "does not exist" before a
-// reader opens it, where a stream would fail with a message naming no file.
+// Error(io) "<what> '<path>': is a directory" before a reader opens it,
+// where a stream would fail with a message naming no file (a missing file is
+// left to the reader's own open, whose message names it).
 void check_input_file(const std::string& path, std::string_view what);
 // The same, and Error(io) "... is not a regular file" for a FIFO or device
 // (which could block a reader forever, or never end, like /dev/zero).

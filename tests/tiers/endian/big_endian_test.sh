@@ -25,7 +25,7 @@ ln -s /usr/include/xxhash.h "$work/inc/xxhash.h"
 "$CXX" -std=c++20 -O1 -static -DFMT_HEADER_ONLY -DXXH_INLINE_ALL -I"$src/include" -isystem "$work/inc" \
   "$src/tests/tiers/endian/context_dump.cpp" "$src/src/tiers/context_file.cpp" "$src/src/kv/kv_format.cpp" \
   "$src/src/kv/kv_codebook.cpp" \
-  "$src/src/core/error.cpp" -o "$work/context_dump.s390x"
+  "$src/src/core/error.cpp" "$src/src/core/file_io.cpp" -o "$work/context_dump.s390x"
 # The cross binary really is big endian (a check of the check).
 file_out=$(od -An -tx1 -j5 -N1 "$work/context_dump.s390x" | tr -d ' ')
 [ "$file_out" = "02" ] || { echo "big_endian_test: cross build is not big endian (EI_DATA=$file_out)" >&2; exit 1; }
