@@ -59,7 +59,17 @@ class Parser {
     fail(ErrorCode::bad_workflow, "{}: {}", source_, what);
   }
 
+  // YAML forbids a key twice in one mapping, but yaml-cpp keeps both and one
+  // of them would win silently.
+  void unique_keys(const YAML::Node& map, const std::string& where) const {
+    std::set<std::string> seen;
+    for (const auto& kv : map)
+      if (!seen.insert(kv.first.as<std::string>()).second)
+        error(kv.first, "'" + kv.first.as<std::string>() + "' appears twice in " + where);
+  }
+
   void only_keys(const YAML::Node& map, const std::set<std::string>& allowed, const std::string& where) const {
+    unique_keys(map, where);
     for (const auto& kv : map) {
       const auto key = kv.first.as<std::string>();
       if (!allowed.count(key)) {
@@ -307,6 +317,7 @@ Workflow Workflow::parse(const std::string& yaml_text, const std::string& source
   if (root["task"]) w.task = p.scalar<std::string>(root["task"], "task");
   if (const YAML::Node docs = root["documents"]) {
     if (!docs.IsMap()) p.error(docs, "'documents' must map names to files");
+    p.unique_keys(docs, "'documents'");
     for (const auto& kv : docs) {
       const auto file = p.scalar<std::string>(kv.second, "document");
       try {
@@ -319,6 +330,7 @@ Workflow Workflow::parse(const std::string& yaml_text, const std::string& source
   }
   const YAML::Node agents = root["agents"];
   if (!agents || !agents.IsMap() || agents.size() == 0) p.error(root, "'agents' must be a non-empty mapping");
+  p.unique_keys(agents, "'agents'");
   for (const auto& kv : agents) {
     const auto name = kv.first.as<std::string>();
     w.agents.emplace(name, p.agent(name, kv.second));

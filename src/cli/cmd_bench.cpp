@@ -264,7 +264,7 @@ void register_bench(CLI::App& app) {
       ->check(CLI::Range(0, 1 << 22))
       ->capture_default_str();
   cmd->add_option("--json", args->json_path, "Also write the results as JSON to this file");
-  cmd->add_option("--seed", args->seed, "Seed of the random token ids")->capture_default_str();
+  cmd->add_option("--seed", args->seed, "Seed of the random token ids")->capture_default_str()->check(seed_validator());
   cmd->add_flag("--no-warmup", args->no_warmup, "Skip the warm-up pass (which pages the weights in)");
   cmd->add_option("--batch", args->batches,
                   "Batched decode instead: sessions decoding together, e.g. 1,2,4,8 (llama-batched-bench's test)")

@@ -108,7 +108,7 @@ void register_calibrate(CLI::App& app) {
   cmd->add_option("--ctx", args->ctx, "Tokens per forward window (the positions the keys are learned at)")
       ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--iterations", args->iterations, "k-means iterations")->check(CLI::Range(1, 1000));
-  cmd->add_option("--seed", args->seed, "k-means seed (the result is deterministic for it)");
+  cmd->add_option("--seed", args->seed, "k-means seed (the result is deterministic for it)")->check(seed_validator());
   cmd->add_option("--keys", args->keys,
                   "Learn keys as the pool stores them: post (after RoPE), pre or block (for keys=pre / keys=block formats)")
       ->check(CLI::IsMember({"post", "pre", "block"}));

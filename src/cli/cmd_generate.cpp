@@ -109,7 +109,7 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--min-p", args->sampling.min_p, "Min-p (0: off)");
   cmd->add_option("--repeat-penalty", args->sampling.repeat_penalty, "Repetition penalty (1: off)");
   cmd->add_option("--repeat-last-n", args->sampling.repeat_last_n, "Tokens the penalty looks back over");
-  cmd->add_option("--seed", args->sampling.seed, "Random seed");
+  cmd->add_option("--seed", args->sampling.seed, "Random seed")->check(seed_validator());
   cmd->add_flag("--chat", args->chat, "Format the prompt as a user turn of the model's own chat template");
   cmd->add_option("--chat-template", args->chat_template,
                   "Chat template family instead of the model's (chatml, qwen3, llama3, gemma, phi3, mistral, plain); "

@@ -81,7 +81,7 @@ void register_make_model(CLI::App& app) {
   cmd->add_option("--type", args->type, "Weight type of the matrices and token_embd: F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS")
       ->capture_default_str();
   cmd->add_option("-o,--output", args->output, "Output GGUF file (written atomically)");
-  cmd->add_option("--seed", args->seed, "Random seed (same seed, shape and type: same bytes)")->capture_default_str();
+  cmd->add_option("--seed", args->seed, "Random seed (same seed, shape and type: same bytes)")->capture_default_str()->check(seed_validator());
   cmd->add_option("--threads", args->threads, "Threads (0: all cores)")->check(CLI::Range(0, 1024));
   cmd->add_flag("--list-shapes", args->list, "List the named shapes and exit");
   const auto dim = [&](const char* flag, int& field, const char* what) {

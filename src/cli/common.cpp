@@ -151,4 +151,16 @@ std::shared_ptr<const BlockCipher> load_key_flag(const std::string& path) {
   }
 }
 
+CLI::Validator seed_validator() {
+  return CLI::Validator(
+      [](const std::string& v) -> std::string {
+        unsigned long long x = 0;
+        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+        if (v.empty() || ec != std::errc() || end != v.data() + v.size())
+          return "'" + v + "' is not a seed (a whole number from 0 to 18446744073709551615)";
+        return {};
+      },
+      "SEED");
+}
+
 }  // namespace qkvshare::cli

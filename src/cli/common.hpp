@@ -40,6 +40,9 @@ std::string read_text(const std::string& path);
 void check_codebook(const KvFormat& format, const Model& model);
 // "1073741824", "512M", "2G", "64K" (powers of 1024); Error(invalid_argument) naming `flag`.
 std::size_t parse_bytes(const std::string& text, std::string_view flag);
+// A seed: digits only, 0 .. 2^64-1 (a '-1' would otherwise wrap to 2^64-1
+// and look like "random" while it is one fixed seed).
+CLI::Validator seed_validator();
 // "1,2,3" -> ids; throws Error(invalid_argument) naming the bad item.
 std::vector<TokenId> parse_ids(const std::string& text);
 // The prompt's ids: BOS when the model wants it, then the text (special tokens parsed when `special`).

@@ -196,12 +196,16 @@ KvFormat KvFormat::parse(std::string_view text) {
   }
   parse_name(name, whole, f.k, f.v);
   bool has_lo = false, has_top = false;
+  std::vector<std::string_view> keys;  // an option given twice would silently lose its first value
   for (std::size_t i = first_option; i < parts.size(); ++i) {
     const std::string_view p = parts[i];
     const std::size_t eq = p.find('=');
     if (eq == std::string_view::npos)
       fail(ErrorCode::invalid_argument, "KV format '{}': option '{}' is not key=value", whole, p);
     const std::string_view key = p.substr(0, eq), val = p.substr(eq + 1);
+    if (std::find(keys.begin(), keys.end(), key) != keys.end())
+      fail(ErrorCode::invalid_argument, "KV format '{}': option '{}' is given twice", whole, key);
+    keys.push_back(key);
     if (key == "window") {
       f.window = parse_int(val, "window", whole);
     } else if (key == "sink") {

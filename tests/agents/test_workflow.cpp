@@ -96,6 +96,11 @@ TEST(Workflow, RejectsUnknownAgentsStepsFieldsAndModes) {
   expect_bad("agents: {a: {prompt: go}}\nsteps: []\n", "'steps' must be a non-empty list");
   expect_bad("steps: [{id: x, agent: a}]\n", "'agents' must be a non-empty mapping");
   expect_bad("- just\n- a list\n", "must be a mapping");
+  expect_bad("agents: {a: {prompt: go}, a: {prompt: again}}\nsteps: [{id: x, agent: a}]\n", "'a' appears twice in 'agents'");
+  expect_bad("task: one\ntask: two\nagents: {a: {prompt: go}}\nsteps: [{id: x, agent: a}]\n",
+             "bad.yaml:2: 'task' appears twice in the workflow");
+  expect_bad("agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: a}\n  - {id: y, agent: a, inputs: [{from: x, mode: splice, recompute: 0.15, recompute: 0.5}]}\n",
+             "'recompute' appears twice in input");
   // {output:X} only for a step that this one reads: X's output may not exist yet.
   expect_bad("agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: a}\n  - {id: y, agent: a, prompt: 'see {output:x}'}\n",
              "bad.yaml:4: step 'y' uses '{output:x}' but does not read step 'x'");

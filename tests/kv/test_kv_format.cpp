@@ -56,6 +56,8 @@ TEST(KvFormat, BadTextNamesThePart) {
   EXPECT_NE(message("int4:window").find("key=value"), std::string::npos);
   EXPECT_NE(message("int4:window=-3").find("window"), std::string::npos);
   EXPECT_NE(message("int4:foo=1").find("unknown option"), std::string::npos);
+  EXPECT_EQ(message("int4:window=4:window=8"), "KV format 'int4:window=4:window=8': option 'window' is given twice");
+  EXPECT_NE(message("int4:keys=pre:keys=post").find("option 'keys' is given twice"), std::string::npos);
   EXPECT_NE(message("int4:rot=x").find("rot"), std::string::npos);
   EXPECT_NE(message("f16:kaxis=token").find("kaxis"), std::string::npos);
   EXPECT_NE(message("int4:vgroup=12").find("vgroup"), std::string::npos);
