@@ -15,6 +15,16 @@ void bad_request(std::string_view param, const std::string& message) {
   throw ApiError(400, "invalid_request_error", std::string(param), message);
 }
 
+std::string quote_input(std::string_view text) {
+  std::string out = "'";
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) out += fmt::format("\\u{:04x}", u);
+    else out += c;
+  }
+  return out + "'";
+}
+
 std::string_view to_string(ReuseMode mode) noexcept {
   switch (mode) {
     case ReuseMode::none: return "none";
@@ -78,7 +88,16 @@ double get_number(const json& v, std::string_view param, double lo, double hi) {
   return x;
 }
 
+// JSON reads an integer literal too large for 64 bits as a double.
+bool is_huge_integer(const json& v) {
+  if (!v.is_number_float()) return false;
+  const double x = v.get<double>();
+  return std::isfinite(x) && std::trunc(x) == x && std::fabs(x) >= 0x1p63;
+}
+
 std::int64_t get_int(const json& v, std::string_view param, std::int64_t lo, std::int64_t hi) {
+  if (is_huge_integer(v))
+    bad_request(param, fmt::format("'{}' is out of range: it must be between {} and {}", param, lo, hi));
   if (!v.is_number_integer())
     bad_request(param, fmt::format("'{}' must be an integer, got {}", param, type_name(v)));
   if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(hi))
@@ -130,11 +149,14 @@ std::vector<ChatMessage> decode_messages(const json& v, const Limits& limits) {
     std::string r = get_string(*role, p + ".role", limits);
     if (r == "developer") r = "system";  // OpenAI's newer name for the system role
     if (r != "system" && r != "user" && r != "assistant")
-      bad_request(p + ".role", fmt::format("'{}.role' must be system, user, assistant or developer, got '{}'", p, r));
+      bad_request(p + ".role", fmt::format("'{}.role' must be system, user, assistant or developer, got {}", p, quote_input(r)));
     if (m.contains("tool_calls") && !m["tool_calls"].is_null() && !(m["tool_calls"].is_array() && m["tool_calls"].empty()))
       bad_request(p + ".tool_calls", fmt::format("'{}.tool_calls': tool calls are not supported", p));
     const auto content = m.find("content");
     if (content == m.end()) bad_request(p + ".content", fmt::format("'{}.content' is missing", p));
+    // OpenAI lets only an assistant turn (one that made tool calls) have no content.
+    if (content->is_null() && r != "assistant")
+      bad_request(p + ".content", fmt::format("'{}.content' must not be null in a {} message", p, r));
     out.push_back({std::move(r), message_content(*content, p + ".content", limits)});
   }
   return out;
@@ -180,7 +202,7 @@ Extension decode_extension(const json& v, const Limits& limits) {
       if (m == "continue") ext.mode = ReuseMode::continue_;
       else if (m == "fork") ext.mode = ReuseMode::fork;
       else if (m == "splice") ext.mode = ReuseMode::splice;
-      else bad_request(p, fmt::format("'{}' must be continue, fork or splice, got '{}'", p, m));
+      else bad_request(p, fmt::format("'{}' must be continue, fork or splice, got {}", p, quote_input(m)));
       mode_given = true;
     } else if (key == "kv") {
       ext.kv = get_string(value, p, limits);
@@ -192,7 +214,7 @@ Extension decode_extension(const json& v, const Limits& limits) {
       ext.recompute = get_number(value, p, 0.0, 1.0);
     } else {
       bad_request(p, fmt::format(
-                         "'{}' is not a field of the qkvshare extension (context, mode, kv, grant_to, reuse, recompute)", p));
+                         "{} is not a field of the qkvshare extension (context, mode, kv, grant_to, reuse, recompute)", quote_input(p)));
     }
   }
   if (ext.recompute && ext.mode != ReuseMode::splice)
@@ -315,7 +337,7 @@ std::vector<std::string> decode_fork_request(std::string_view body) {
   std::vector<std::string> grants;
   for (const auto& [key, value] : j.items()) {
     if (key == "grant_to") grants = decode_agent_list(value, "grant_to");
-    else bad_request(key, fmt::format("'{}' is not a field of a fork request (grant_to)", key));
+    else bad_request(key, fmt::format("{} is not a field of a fork request (grant_to)", quote_input(key)));
   }
   return grants;
 }

@@ -33,6 +33,7 @@ struct Choice {
   bool live = false;
   Clock::time_point last = Clock::now();
   ChoiceResult result;
+  std::optional<TokenId> pending;  // the last sampled token of a reply cut by length: not fed, so not in the session
 };
 
 struct Running {
@@ -60,6 +61,15 @@ std::size_t common_prefix(std::span<const TokenId> a, std::span<const TokenId> b
 
 const char* finish_reason(StopReason r) {
   return r == StopReason::end_of_generation || r == StopReason::stop_string ? "stop" : "length";
+}
+
+// A reply cut by length ends on a sampled token that was never fed (the next
+// step would have); the client's transcript holds it, so the context keeps it.
+// (An end-of-generation token is not in `tokens`; a stop string's text is cut anyway.)
+std::optional<TokenId> pending_token(const GenerateResult& g) {
+  const bool by_length = g.stop_reason == StopReason::max_tokens || g.stop_reason == StopReason::context_full;
+  if (!by_length || g.tokens.empty()) return std::nullopt;
+  return g.tokens.back();
 }
 
 class BatchedScheduler final : public Scheduler {
@@ -489,7 +499,9 @@ class BatchedScheduler final : public Scheduler {
     if (r.error) return;
     if (res.generation.stop_reason == StopReason::cancelled) return;
     if (index < 0) return fork_choices(r);
-    ChoiceResult& out = r.choices[static_cast<std::size_t>(index)].result;
+    Choice& choice = r.choices[static_cast<std::size_t>(index)];
+    choice.pending = pending_token(res.generation);
+    ChoiceResult& out = choice.result;
     out.text = res.generation.text;
     out.finish_reason = finish_reason(res.generation.stop_reason);
     out.completion_tokens = static_cast<int>(res.generation.tokens.size());
@@ -505,7 +517,7 @@ class BatchedScheduler final : public Scheduler {
   void complete(Running& r) {
     Job& job = *r.job;
     try {
-      for (Choice& c : r.choices) c.result.context = store_.add(job.tenant, *c.session, job.grant_to, true);
+      for (Choice& c : r.choices) c.result.context = store_.add(job.tenant, *c.session, job.grant_to, true, c.pending);
     } catch (...) {
       r.error = std::current_exception();
       return;

@@ -66,15 +66,16 @@ std::string ContextStore::partition(const std::string& tenant, const KvFormat& f
 }
 
 SealedInfo ContextStore::add(const std::string& owner, const Session& session,
-                             const std::vector<std::string>& grant_to, bool index) {
+                             const std::vector<std::string>& grant_to, bool index, std::optional<TokenId> pending) {
   const auto* cache = dynamic_cast<const PooledKvCache*>(&session.cache());
   QKV_CHECK(cache != nullptr);
   std::lock_guard lock(mu_);
-  return add_locked(owner, *cache, session.tokens(), grant_to, index);
+  return add_locked(owner, *cache, session.tokens(), grant_to, index, pending);
 }
 
 SealedInfo ContextStore::add_locked(const std::string& owner, const PooledKvCache& cache, std::span<const TokenId> tokens,
-                                    const std::vector<std::string>& grant_to, bool index) {
+                                    const std::vector<std::string>& grant_to, bool index,
+                                    std::optional<TokenId> pending) {
   const auto evict = [this] { return evict_one_locked(); };
   const std::string text = engine_.model().tokenizer().decode(tokens);
   const SealedContext sealed =
@@ -83,6 +84,7 @@ SealedInfo ContextStore::add_locked(const std::string& owner, const PooledKvCach
   e.owner = owner;
   e.sealed = sealed;
   e.tokens.assign(tokens.begin(), tokens.end());
+  e.pending = pending;
   // The cache's own format, not the request's: a context demoted while a
   // request opened it is continued (and stored) in its new format.
   const KvFormat format = cache.format();
@@ -110,10 +112,10 @@ SealedInfo ContextStore::add_locked(const std::string& owner, const PooledKvCach
   return info;
 }
 
-ContextStore::Entry& ContextStore::visible(const std::string& tenant, std::uint64_t id) {
+ContextStore::Entry& ContextStore::visible(const std::string& tenant, std::uint64_t id, const std::string& param) {
   const auto it = entries_.find(id);
   if (it == entries_.end() || (it->second.owner != tenant && !it->second.grants.count(tenant)))
-    not_found("context", fmt::format("context {} does not exist for this API key (it was released, evicted, or never "
+    not_found(param, fmt::format("context {} does not exist for this API key (it was released, evicted, or never "
                                      "granted to tenant '{}')", name_of(id), tenant));
   it->second.last_used = ++clock_;
   return it->second;
@@ -126,9 +128,9 @@ std::uint64_t ContextStore::resolve(const std::string& tenant, const std::string
     const char* end = ref.data() + ref.size();
     const auto [p, ec] = std::from_chars(b, end, id, 16);
     if (ec != std::errc() || p != end || ref.size() != 20)
-      bad_request(param, fmt::format("'{}': '{}' is not a context id (ctx- and 16 hex digits)", param, ref));
+      bad_request(param, fmt::format("'{}': {} is not a context id (ctx- and 16 hex digits)", param, quote_input(ref)));
     std::lock_guard lock(mu_);
-    visible(tenant, id);
+    visible(tenant, id, param);
     return id;
   }
   const std::vector<std::uint8_t> bytes = decode_handle(ref, param);
@@ -139,7 +141,7 @@ std::uint64_t ContextStore::resolve(const std::string& tenant, const std::string
     bad_request(param, e.what());
   }
   if (d.grantee != tenant)
-    not_found(param, fmt::format("'{}': this handle was granted to '{}', not to tenant '{}'", param, d.grantee, tenant));
+    not_found(param, fmt::format("'{}': this handle was granted to {}, not to tenant '{}'", param, quote_input(d.grantee), tenant));
   const DescriptorStatus st = pool_->check(d);
   if (!st.pool_matches || !st.capability_valid || !st.live)
     not_found(param, fmt::format("'{}': the handle is not valid here: {}", param, st.problem));
@@ -147,7 +149,7 @@ std::uint64_t ContextStore::resolve(const std::string& tenant, const std::string
   // A context restored from disk keeps its store id but has a new pool id.
   for (const auto& [id, e] : entries_)
     if (!e.on_disk && e.sealed.context_id == d.context_id) {
-      visible(tenant, id);
+      visible(tenant, id, param);
       return id;
     }
   // Made by another process on this pool (e.g. `qkvshare generate --publish
@@ -166,6 +168,15 @@ std::vector<TokenId> ContextStore::tokens(std::uint64_t id) {
   const auto it = entries_.find(id);
   if (it == entries_.end()) not_found("qkvshare.context", fmt::format("context {} was released or evicted", name_of(id)));
   return it->second.tokens;
+}
+
+std::vector<TokenId> ContextStore::transcript(std::uint64_t id) {
+  std::lock_guard lock(mu_);
+  const auto it = entries_.find(id);
+  if (it == entries_.end()) not_found("qkvshare.context", fmt::format("context {} was released or evicted", name_of(id)));
+  std::vector<TokenId> out = it->second.tokens;
+  if (it->second.pending) out.push_back(*it->second.pending);
+  return out;
 }
 
 KvFormat ContextStore::format(std::uint64_t id) {
@@ -258,7 +269,7 @@ SealedInfo ContextStore::fork(const std::string& tenant, std::uint64_t id, const
   if (!oc.cache) fail(ErrorCode::bad_descriptor, "context {}: its KV cannot be used: {}", name_of(id), oc.refused_detail);
   oc.cache->set_rope(engine_.rope());
   const std::vector<TokenId> toks = e.tokens;
-  return add_locked(tenant, *oc.cache, toks, grant_to, true);
+  return add_locked(tenant, *oc.cache, toks, grant_to, true, e.pending);
 }
 
 nlohmann::json ContextStore::describe(const std::string& tenant, std::uint64_t id) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qkvshare/server/context_store.hpp"
+#include "qkvshare/server/http_front.hpp"
 #include "qkvshare/server/metrics.hpp"
 #include "qkvshare/server/scheduler.hpp"
 #include "qkvshare/share/handoff.hpp"
@@ -26,6 +27,12 @@ namespace {
 
 // Splices shorter than this are prefilled as text: the guard's probe alone costs 8 tokens.
 constexpr int kMinSpliceTokens = 16;
+// HTTP connections served at once (each on its own thread, started as needed):
+// below select()'s FD_SETSIZE, which cpp-httplib 0.11 polls sockets with.
+constexpr int kMaxHttpThreads = 1000;
+// Seconds a client may send nothing in the middle of a request. Real clients
+// send a request at once; a short wait frees the threads of those that do not.
+constexpr int kReadTimeoutSeconds = 10;
 
 // The longest run of tokens that a and b share (a classic dynamic program,
 // O(|a| |b|) steps over two rows: 64M for two 8k-token prompts, tens of ms).
@@ -167,6 +174,9 @@ struct Server::Impl {
   bool ends_turn(TokenId t) const { return std::find(turn_ends.begin(), turn_ends.end(), t) != turn_ends.end(); }
 
   KvFormat parse_format(const std::string& text, const std::string& param) const {
+    // The parser quotes the text in its messages, unescaped.
+    if (std::any_of(text.begin(), text.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; }))
+      bad_request(param, fmt::format("'{}': {} is not a KV format (it holds a control character)", param, quote_input(text)));
     try {
       KvFormat f = KvFormat::parse(text);
       f.validate(engine.kv_shape(), pool->kv_pool(engine.kv_shape())->block_tokens());
@@ -181,14 +191,17 @@ struct Server::Impl {
   std::shared_ptr<Job> make_job(const std::string& tenant, const CompletionRequest& r) {
     if (!r.model.empty() && r.model != o.model_id && r.model != "qkvshare")
       throw ApiError(404, "model_not_found", "model",
-                     fmt::format("model '{}' does not exist; this server serves '{}'", r.model, o.model_id));
+                     fmt::format("model {} does not exist; this server serves '{}'", quote_input(r.model), o.model_id));
     auto job = std::make_shared<Job>();
     job->tenant = tenant;
     job->endpoint = r.endpoint == Endpoint::chat ? "chat" : "completion";
     const Extension& x = r.ext;
     const int vocab = engine.model().tokenizer().vocab_size();
     for (std::size_t i = 0; i < r.prompt_ids.size(); ++i)
-      if (r.prompt_ids[i] >= vocab) bad_request("prompt", fmt::format("'prompt[{}]': token id {} is not below the vocabulary size {}", i, r.prompt_ids[i], vocab));
+      if (r.prompt_ids[i] >= vocab) {
+        const std::string p = fmt::format("prompt[{}]", i);
+        bad_request(p, fmt::format("'{}': token id {} is not below the vocabulary size {}", p, r.prompt_ids[i], vocab));
+      }
     const auto fresh = [&] {
       if (r.endpoint == Endpoint::chat) return encode(render(r.messages, true), true);
       if (!r.prompt_ids.empty()) return r.prompt_ids;
@@ -199,6 +212,7 @@ struct Server::Impl {
     if (!x.context.empty()) {
       const std::uint64_t id = store->resolve(tenant, x.context, "qkvshare.context");
       const std::vector<TokenId> base = store->tokens(id);
+      const std::vector<TokenId> transcript = store->transcript(id);
       const KvFormat cf = store->format(id);
       if (x.kv && !(job->format == cf))
         bad_request("qkvshare.kv", fmt::format("'qkvshare.kv': the context is stored as {}; continue, fork and splice keep its format", cf.to_string()));
@@ -212,17 +226,18 @@ struct Server::Impl {
         if (x.recompute) job->splice_options.recompute = *x.recompute;
       } else if (!(full.size() > base.size() && std::equal(base.begin(), base.end(), full.begin()))) {
         // Either the client resent the whole conversation (the context is a
-        // prefix of it) or it sends only what follows the context.
-        std::string tail;
+        // prefix of it) or it sends only what follows the context. That
+        // follows the transcript: a reply cut by length ends on a token with
+        // no KV yet, fed now as the resent conversation would feed it.
         std::vector<TokenId> ids;
         if (r.endpoint == Endpoint::chat) {
           // A reply that generation left open is closed first, as the template would have it.
-          tail = (!turn_ends.empty() && !ends_turn(base.back()) ? tmpl->close_reply() : "") + render(r.messages, true);
-          ids = encode(tail, false);
+          const bool open = !turn_ends.empty() && !ends_turn(transcript.back());
+          ids = encode((open ? tmpl->close_reply() : "") + render(r.messages, true), false);
         } else {
           ids = r.prompt_ids.empty() ? encode(r.prompt, false) : r.prompt_ids;
         }
-        full = base;
+        full = transcript;
         full.insert(full.end(), ids.begin(), ids.end());
       }
       job->base = id;
@@ -438,6 +453,32 @@ struct Server::Impl {
         });
   }
 
+  // cpp-httplib 0.11 holds a Content-Length to --max-body-kib but reads a
+  // chunked body whole, however long: a POST route reads its body itself
+  // and stops at the limit.
+  void post(const std::string& pattern, std::function<void(const httplib::Request&, httplib::Response&)> handler) {
+    http.Post(pattern, [this, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res,
+                                                            const httplib::ContentReader& read) {
+      std::string body;
+      bool over = false;
+      const bool whole = read([&](const char* data, std::size_t n) {
+        over = body.size() + n > o.max_body_bytes;
+        if (!over) body.append(data, n);
+        return !over;
+      });
+      if (!whole) {
+        const int status = over ? 413 : (res.status >= 400 ? res.status : 400);
+        send_error(res, status, over ? "request_too_large" : "invalid_request_error", "",
+                   library_error_message(req, status, o.max_body_bytes));
+        res.set_header("Connection", "close");  // the rest of the body is unread
+        return;
+      }
+      // The library hands a const Request, but the one it owns is not.
+      const_cast<httplib::Request&>(req).body = std::move(body);
+      handler(req, res);
+    });
+  }
+
   // ---- contexts --------------------------------------------------------
   void contexts_routes() {
     http.Get("/v1/contexts", [this](const httplib::Request& req, httplib::Response& res) {
@@ -466,7 +507,7 @@ struct Server::Impl {
         send_exception(res, e);
       }
     });
-    http.Post(R"(/v1/contexts/([^/]+)/fork)", [this](const httplib::Request& req, httplib::Response& res) {
+    post(R"(/v1/contexts/([^/]+)/fork)", [this](const httplib::Request& req, httplib::Response& res) {
       const auto tenant = tenant_of(req, res);
       if (!tenant) return;
       try {
@@ -512,6 +553,17 @@ struct Server::Impl {
     }
   }
 
+  // A request whose headers show it cannot be served is answered at once,
+  // not after the library has waited for (or drained) its body.
+  bool refuse_framing(const httplib::Request& req, httplib::Response& res) const {
+    const auto refused = check_framing(req, o.max_body_bytes);
+    if (!refused) return false;
+    send_error(res, refused->status, refused->type, "", refused->message);
+    // The body is left unread: what the client still sends is no next request.
+    res.set_header("Connection", "close");
+    return true;
+  }
+
   void routes() {
     http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content(dump({{"status", draining ? "shutting_down" : "ok"}, {"model", o.model_id},
@@ -531,20 +583,30 @@ struct Server::Impl {
                                                    {"context_length", capacity}}})}}),
                       "application/json");
     });
-    http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
       completion(Endpoint::chat, req, res);
     });
-    http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
       completion(Endpoint::completion, req, res);
     });
     contexts_routes();
-    http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    // Both run after the headers and before the library reads the body.
+    http.set_expect_100_continue_handler([this](const httplib::Request& req, httplib::Response& res) {
+      return refuse_framing(req, res) ? res.status : 100;
+    });
+    http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      // The library hands a const Request, but the one it owns is not: byte
+      // ranges of a JSON answer mean nothing to an API client, so none are applied.
+      const_cast<httplib::Request&>(req).ranges.clear();
+      return refuse_framing(req, res) ? httplib::Server::HandlerResponse::Handled
+                                      : httplib::Server::HandlerResponse::Unhandled;
+    });
+    http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return;
-      if (res.status == 413)
-        return send_error(res, 413, "request_too_large", "", "the request body is larger than the server's limit (--max-body-bytes)");
       if (res.status == 404)
-        return send_error(res, 404, "not_found_error", "", fmt::format("no route for {} {}", req.method, req.path));
-      send_error(res, res.status, "invalid_request_error", "", fmt::format("HTTP {}", res.status));
+        return send_error(res, 404, "not_found_error", "", fmt::format("no route for {} {}", req.method, quote_input(req.path)));
+      const char* type = res.status == 413 ? "request_too_large" : "invalid_request_error";
+      send_error(res, res.status, type, "", library_error_message(req, res.status, o.max_body_bytes));
     });
     http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
       try {
@@ -625,14 +687,17 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
       m.pool, engine, StoreOptions{o.cache_bytes, o.auto_reuse, o.spill_dir, o.cipher, o.demote});
   register_metrics(m.metrics);
   m.scheduler = make_batched_scheduler(engine, *m.store, m.metrics, SchedulerOptions{o.parallel, o.queue, 256, m.capacity});
-  const int threads = o.http_threads > 0 ? o.http_threads : o.parallel + o.queue + 8;
-  m.http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<std::size_t>(threads)); };
+  const auto threads = static_cast<std::size_t>(o.http_threads > 0 ? o.http_threads : kMaxHttpThreads);
+  m.http.new_task_queue = [threads] { return new ElasticTaskQueue(threads); };
   m.http.set_payload_max_length(o.max_body_bytes);
   // Agents send many requests in a row: cpp-httplib 0.11 closes a connection
   // after 5 (newer releases after 100), so a client reconnected every fifth
   // request, and each reconnect queues behind a listen backlog of 5.
   m.http.set_keep_alive_max_count(100);
-  m.http.set_read_timeout(30);
+  // A client that started a request and then stalls holds a thread: it gets
+  // kReadTimeoutSeconds between packets (the library has no whole-request
+  // deadline); an idle keep-alive connection is closed after 5 s (its default).
+  m.http.set_read_timeout(kReadTimeoutSeconds);
   m.http.set_write_timeout(30);
   m.routes();
   if (o.port == 0) {

@@ -166,7 +166,7 @@ void ContextStore::ensure_resident_locked(std::uint64_t id, Entry& e) {
     log_tier_event({{"event", "restore_failed"}, {"context", name_of(id)}, {"action", "dropped"}, {"error", err.what()}});
     const std::string what = err.what();
     drop_locked(id);
-    throw ApiError(404, "not_found_error", "context",
+    throw ApiError(404, "not_found_error", "qkvshare.context",
                    fmt::format("context {} was spilled to disk and could not be restored: {}", name_of(id), what));
   }
   try {

@@ -109,6 +109,40 @@ TEST(ServerApi, BadRequestsNameTheField) {
   }
 }
 
+TEST(ServerApi, HugeIntegersAreOutOfRangeNotTheWrongType) {
+  for (const char* body : {R"({"messages":[{"role":"user","content":"x"}],"max_tokens":18446744073709551616})",
+                           R"({"messages":[{"role":"user","content":"x"}],"seed":1000000000000000000000000000000})",
+                           R"({"messages":[{"role":"user","content":"x"}],"seed":-1e30})"}) {
+    const ApiError e = error_of(Endpoint::chat, body);
+    EXPECT_EQ(e.status(), 400);
+    EXPECT_NE(std::string(e.what()).find("out of range"), std::string::npos) << e.what();
+  }
+  // A fraction is still the wrong type.
+  EXPECT_NE(std::string(error_of(Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"seed":1.5})").what())
+                .find("must be an integer"),
+            std::string::npos);
+}
+
+TEST(ServerApi, NullContentIsRefusedButForAnAssistant) {
+  const ApiError e = error_of(Endpoint::chat, R"({"messages":[{"role":"system","content":"x"},{"role":"user","content":null}]})");
+  EXPECT_EQ(e.status(), 400);
+  EXPECT_EQ(e.param(), "messages[1].content");
+  EXPECT_NE(std::string(e.what()).find("'messages[1].content' must not be null"), std::string::npos) << e.what();
+  const auto r = decode_request(Endpoint::chat,
+                                R"({"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null}]})");
+  EXPECT_EQ(r.messages[1].content, "");
+}
+
+TEST(ServerApi, QuotedUserStringsKeepTheirControlCharacters) {
+  EXPECT_EQ(quote_input(std::string_view("ctx-\0\x01\x7f\n", 8)), "'ctx-\\u0000\\u0001\\u007f\\u000a'");
+  EXPECT_EQ(quote_input("caf\xc3\xa9"), "'caf\xc3\xa9'");  // UTF-8 is left as it is
+  const ApiError e = error_of(Endpoint::chat, std::string(R"({"messages":[{"role":"wiz\u0000ard","content":"x"}]})"));
+  EXPECT_EQ(e.param(), "messages[0].role");
+  EXPECT_NE(std::string(e.what()).find("got 'wiz\\u0000ard'"), std::string::npos) << e.what();
+  const ApiError m = error_of(Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"qkvshare":{"context":"a","mode":"fo\u0000rk"}})");
+  EXPECT_NE(std::string(m.what()).find("got 'fo\\u0000rk'"), std::string::npos) << m.what();
+}
+
 TEST(ServerApi, LimitsAreEnforced) {
   Limits l;
   l.max_tokens = 10;

@@ -50,16 +50,16 @@ def test_bad_fields(server, body, param, words):
 def test_malformed_and_wrong_shapes(server):
     error_of(post(server, "/v1/chat/completions", None, raw='{"messages": ['), 400, None, ["not valid JSON"])
     error_of(post(server, "/v1/chat/completions", None, raw="[]"), 400, None, ["JSON object"])
-    error_of(post(server, "/v1/completions", {"prompt": [1, 10 ** 6]}), 400, "prompt", ["vocabulary"])
+    error_of(post(server, "/v1/completions", {"prompt": [1, 10 ** 6]}), 400, "prompt[1]", ["'prompt[1]'", "vocabulary"])
     error_of(post(server, "/v1/chat/completions", {"model": "gpt-4", "messages": MSG}), 404, "model", ["gpt-4"])
     error_of(httpx.get(server.url + "/v1/nothing"), 404, None, ["/v1/nothing"])
     long = [{"role": "user", "content": "Once upon a time " * 400}]
     error_of(post(server, "/v1/chat/completions", {"messages": long}), 400, "messages", ["context"])
     error_of(post(server, "/v1/chat/completions", {"messages": MSG, "qkvshare": {"context": "ctx-0000000000000fff"}}),
-             404, "context", ["ctx-0000000000000fff"])
+             404, "qkvshare.context", ["ctx-0000000000000fff"])
     error_of(post(server, "/v1/chat/completions",
                   {"messages": MSG, "qkvshare": {"context": "ctx-0000000000000fff", "mode": "splice"}}),
-             404, "context", ["ctx-0000000000000fff"])
+             404, "qkvshare.context", ["ctx-0000000000000fff"])
     error_of(post(server, "/v1/chat/completions",
                   {"messages": MSG, "qkvshare": {"context": "ctx-0000000000000fff", "recompute": 0.5}}),
              400, "qkvshare.recompute", ["splice"])
@@ -72,7 +72,30 @@ def test_malformed_and_wrong_shapes(server):
 def test_huge_body_is_413(make_server):
     s = make_server("--max-body-kib", "4")
     r = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 10000}]})
-    error_of(r, 413, None, ["larger"])
+    error_of(r, 413, None, ["larger", "limit of 4 KiB (--max-body-kib)"])
+
+
+def test_user_strings_in_messages_keep_what_follows_a_nul(server):
+    # The message quotes them with control characters escaped, and goes on after them.
+    nul = "\\u0000"
+    error_of(post(server, "/v1/chat/completions", {"messages": MSG, "qkvshare": {"context": "ctx-\x00" + "1" * 15}}),
+             400, "qkvshare.context", [f"'ctx-{nul}111111111111111'", "is not a context id"])
+    error_of(post(server, "/v1/chat/completions", {"messages": MSG, "qkvshare": {"kv": "int\x008"}}),
+             400, "qkvshare.kv", [f"'int{nul}8'", "control character"])
+    error_of(post(server, "/v1/chat/completions", {"model": "a\x00b", "messages": MSG}),
+             404, "model", [f"'a{nul}b'", "does not exist"])
+    error_of(post(server, "/v1/chat/completions", {"messages": [{"role": "wiz\x00ard", "content": "Hi"}]}),
+             400, "messages[0].role", [f"'wiz{nul}ard'"])
+    error_of(httpx.get(server.url + "/v1/contexts/ctx-%00123"), 400, "id", [f"'ctx-{nul}123'", "is not a context id"])
+
+
+def test_out_of_range_integers_and_null_content(server):
+    error_of(post(server, "/v1/chat/completions", None,
+                  raw='{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 18446744073709551616}'),
+             400, "max_tokens", ["out of range"])
+    error_of(post(server, "/v1/chat/completions", {"messages": MSG, "seed": 10 ** 30}), 400, "seed", ["out of range"])
+    error_of(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}),
+             400, "messages[0].content", ["'messages[0].content' must not be null"])
 
 
 def test_queue_full_is_429(make_server):

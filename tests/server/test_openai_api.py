@@ -238,3 +238,69 @@ def test_concurrent_prompts_sharing_a_prefix_compute_it_once(make_server):
     s.wait_idle()
     # The checkpoints are released with their jobs: only the four replies' contexts remain.
     assert len(httpx.get(s.url + "/v1/contexts").json()["data"]) == 4
+
+
+def test_appending_to_a_reply_cut_by_length_sees_its_last_token(make_server):
+    # Such a reply ends on a sampled token that has no KV yet: the appended form (only the new
+    # prompt, with the context named) must feed it, as resending the whole transcript does.
+    s = make_server("--kv", "f32")
+    c = client(s)
+    off = {"qkvshare": {"reuse": False}}
+    first_prompt = "Once upon a time, there was a little girl named Lily."
+    first = c.completions.create(model="stories260K", prompt=first_prompt, max_tokens=7, temperature=0, extra_body=off)
+    assert first.choices[0].finish_reason == "length"
+    ctx = first.model_extra["qkvshare"]["context"]["id"]
+    # llama2.c's tokenizer (sentencepiece) starts a text of its own with a space: appended, "One"
+    # is the " One" of the transcript.
+    more = "One day, she went to the park."
+    transcript = first_prompt + first.choices[0].text + " " + more
+    whole = c.completions.create(model="stories260K", prompt=transcript, max_tokens=12, temperature=0, extra_body=off)
+    for mode in ("fork", "continue"):  # continue last: it replaces the context
+        appended = c.completions.create(model="stories260K", prompt=more, max_tokens=12, temperature=0,
+                                        extra_body={"qkvshare": {"context": ctx, "mode": mode}})
+        assert appended.usage.prompt_tokens == whole.usage.prompt_tokens, mode
+        assert appended.choices[0].text == whole.choices[0].text, mode
+        assert appended.usage.prompt_tokens_details.cached_tokens > 0, mode
+    # The continued context then takes the whole conversation resent (its tokens are a prefix of it).
+    after = appended.model_extra["qkvshare"]["context"]["id"]
+    later = transcript + appended.choices[0].text + " She saw a bird."
+    resent = c.completions.create(model="stories260K", prompt=later, max_tokens=8, temperature=0,
+                                  extra_body={"qkvshare": {"context": after}})
+    fresh = c.completions.create(model="stories260K", prompt=later, max_tokens=8, temperature=0, extra_body=off)
+    assert resent.usage.prompt_tokens == fresh.usage.prompt_tokens
+    assert resent.choices[0].text == fresh.choices[0].text
+    assert resent.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason="SmolLM2-135M-Instruct.Q4_1.gguf is not downloaded")
+def test_appending_a_chat_turn_to_a_reply_cut_by_length_sees_its_last_token(make_server):
+    # ChatML: the open reply is closed (<|im_end|>) after its last token, then the new turn follows.
+    s = make_server("--kv", "f32", model=[smollm2_path()])
+    c = client(s)
+    hello = [{"role": "user", "content": "Say hello."}]
+    first = c.chat.completions.create(model="qkvshare", messages=hello, max_tokens=3, temperature=0,
+                                      extra_body={"qkvshare": {"reuse": False}})
+    assert first.choices[0].finish_reason == "length"
+    ctx = first.model_extra["qkvshare"]["context"]["id"]
+    again = [{"role": "user", "content": "Again."}]
+    convo = hello + [{"role": "assistant", "content": first.choices[0].message.content}] + again
+    whole = c.chat.completions.create(model="qkvshare", messages=convo, max_tokens=8, temperature=0,
+                                      extra_body={"qkvshare": {"reuse": False}})
+    for mode in ("fork", "continue"):
+        appended = c.chat.completions.create(model="qkvshare", messages=again, max_tokens=8, temperature=0,
+                                             extra_body={"qkvshare": {"context": ctx, "mode": mode}})
+        assert appended.usage.prompt_tokens == whole.usage.prompt_tokens, mode
+        assert appended.choices[0].message.content == whole.choices[0].message.content, mode
+    # Completions on a byte-level BPE: the appended text is the transcript's as it stands.
+    prompt = "The capital of France is"
+    first = c.completions.create(model="qkvshare", prompt=prompt, max_tokens=3, temperature=0,
+                                 extra_body={"qkvshare": {"reuse": False}})
+    assert first.choices[0].finish_reason == "length"
+    more = " Rome is the capital of"
+    whole = c.completions.create(model="qkvshare", prompt=prompt + first.choices[0].text + more, max_tokens=6,
+                                 temperature=0, extra_body={"qkvshare": {"reuse": False}})
+    appended = c.completions.create(model="qkvshare", prompt=more, max_tokens=6, temperature=0,
+                                    extra_body={"qkvshare": {"context": first.model_extra["qkvshare"]["context"]["id"],
+                                                             "mode": "fork"}})
+    assert appended.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert appended.choices[0].text == whole.choices[0].text

@@ -35,6 +35,10 @@ class ApiError : public Error {
 // 400 invalid_request_error naming `param`.
 [[noreturn]] void bad_request(std::string_view param, const std::string& message);
 
+// A client's string quoted for an error message: 'text', control characters
+// as \u00XX (an exception's message is a C string: a NUL would cut it short).
+std::string quote_input(std::string_view text);
+
 // {"error": {"message", "type", "param", "code"}}.
 std::string error_body(int status, std::string_view type, std::string_view param, std::string_view message);
 // The status and body of any exception escaping a handler: ApiError as is,

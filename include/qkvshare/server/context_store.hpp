@@ -66,15 +66,21 @@ class ContextStore {
   static std::string name_of(std::uint64_t id);
 
   // Seals `session` for `owner`, grants it to `grant_to`, indexes it for
-  // reuse under the session's own KV format.
-  SealedInfo add(const std::string& owner, const Session& session, const std::vector<std::string>& grant_to, bool index);
+  // reuse under the session's own KV format. `pending`: the reply's last
+  // sampled token, which has no KV yet (a reply that ended by length); it is
+  // part of the transcript a client continues, not of the sealed tokens.
+  SealedInfo add(const std::string& owner, const Session& session, const std::vector<std::string>& grant_to, bool index,
+                 std::optional<TokenId> pending = std::nullopt);
 
   // A client's reference ("ctx-..." id or "qkv1." handle) to a context
   // `tenant` may open: its own, or granted to it. Throws ApiError 400 (not a
   // reference), 404 (unknown, evicted, released or another tenant's).
   std::uint64_t resolve(const std::string& tenant, const std::string& ref, const std::string& param);
-  // The tokens and format of a resolved context.
+  // The tokens (those with KV) and format of a resolved context.
   std::vector<TokenId> tokens(std::uint64_t id);
+  // Its tokens and then its pending token, if any: what the model has seen
+  // and said, so the text a request appends to the context follows it.
+  std::vector<TokenId> transcript(std::uint64_t id);
   KvFormat format(std::uint64_t id);
 
   // Longest indexed prefix of `prompt` among `tenant`'s contexts in `format`.
@@ -121,6 +127,7 @@ class ContextStore {
     Descriptor own;  // granted to the owner: the handle, and what internal opens use
     std::map<std::string, Descriptor> grants;
     std::vector<TokenId> tokens;
+    std::optional<TokenId> pending;  // sampled, not fed (add())
     KvFormat format;
     std::size_t bytes = 0;
     int blocks = 0;
@@ -136,9 +143,11 @@ class ContextStore {
     double k_rel_rms = 0, v_rel_rms = 0;
   };
   std::string partition(const std::string& tenant, const KvFormat& format) const;
-  Entry& visible(const std::string& tenant, std::uint64_t id);  // 404 unless visible
+  // 404 naming `param` unless visible.
+  Entry& visible(const std::string& tenant, std::uint64_t id, const std::string& param = "qkvshare.context");
   SealedInfo add_locked(const std::string& owner, const PooledKvCache& cache, std::span<const TokenId> tokens,
-                        const std::vector<std::string>& grant_to, bool index);
+                        const std::vector<std::string>& grant_to, bool index,
+                        std::optional<TokenId> pending = std::nullopt);
   void drop_locked(std::uint64_t id);
   bool evict_one_locked();
   // store_tiers.cpp

@@ -36,7 +36,7 @@ struct ServerOptions {
   std::string api_key_file;               // empty: one tenant, "default", no authentication
   bool auto_reuse = true;
   std::size_t max_body_bytes = std::size_t{8} << 20;
-  int http_threads = 0;                   // 0: enough for parallel + queue waiting clients
+  int http_threads = 0;                   // most connections served at once (0: 1000), threads started as needed
   Limits limits;
   bool log_requests = true;               // one JSON line per request on stderr
   std::string chat_template;              // a family name (model/chat_template.hpp); empty: the model's own
