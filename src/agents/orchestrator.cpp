@@ -186,14 +186,20 @@ class Run {
         started[static_cast<std::size_t>(i)] = 1;
         progress(fmt::format("[{}/{}] {} ({}): running", ++index, n, step.id, step.agent));
         if (tiers_) tiers_->step_started(position_.at(step.id));  // prefetch what the next step needs
-        auto r = prepare_step(i);
-        r->m.start_seconds = std::chrono::duration<double>(r->t0 - t0).count();
-        if (r->feed.empty()) {
-          complete(*r, nullptr);
-          continue;
+        std::unique_ptr<Running> r;
+        RequestId id{};
+        try {
+          r = prepare_step(i);
+          r->m.start_seconds = std::chrono::duration<double>(r->t0 - t0).count();
+          if (r->feed.empty()) {
+            complete(*r, nullptr);
+            continue;
+          }
+          id = scheduler(runtime(step.agent)).submit(request_for(*r));
+        } catch (const Error& e) {
+          step_failed(step, e);
         }
         Runtime& rt = runtime(step.agent);
-        const RequestId id = scheduler(rt).submit(request_for(*r));
         r->submitted = Clock::now();
         running[&rt].emplace(id, std::move(r));
         ++in_flight;
@@ -211,7 +217,8 @@ class Run {
         for (RequestResult& res : sched.take_finished()) {
           auto it = steps.find(res.id);
           QKV_CHECK(it != steps.end());
-          if (res.error) throw *res.error;  // the workflow fails as generate() would have
+          // The workflow fails as generate() would have, saying which step.
+          if (res.error) step_failed(wf_.steps[static_cast<std::size_t>(it->second->step_index)], *res.error);
           complete(*it->second, &res);
           steps.erase(it);
           --in_flight;
@@ -232,6 +239,12 @@ class Run {
   }
 
  private:
+  // A step's error names the step and where the workflow file defines it
+  // ("context length exceeded" alone leaves the reader to guess which).
+  [[noreturn]] void step_failed(const StepSpec& step, const Error& e) const {
+    fail(e.code(), "{}:{}: step '{}': {}", wf_.source, step.line, step.id, e.what());
+  }
+
   // private_contexts > 0: a private pool (text modes) with room for that many full contexts.
   std::unique_ptr<Runtime> load(const std::string& path, const std::string& tok, MappedFile::Mode mode,
                                 int private_contexts) {
