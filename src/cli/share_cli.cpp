@@ -9,7 +9,7 @@
 namespace qkvshare::cli {
 
 void add_share_args(CLI::App& cmd, ShareArgs& a) {
-  cmd.add_option("--pool", a.pool, "Shared pool (`qkvshare pool serve --name NAME`) to keep the KV in");
+  CLI::Option* pool = cmd.add_option("--pool", a.pool, "Shared pool (`qkvshare pool serve --name NAME`) to keep the KV in");
   cmd.add_option("--publish", a.publish, "After generating, seal the context and write a descriptor here "
                                          "(one per --grant: OUT.<grantee> when there are several)");
   cmd.add_option("--from", a.from, "Continue from this descriptor (the prompt is appended to its context)");
@@ -17,7 +17,8 @@ void add_share_args(CLI::App& cmd, ShareArgs& a) {
   cmd.add_option("--grant", a.grants, "Agent id the published context is granted to (repeatable: a fork)");
   cmd.add_option("--handoff", a.handoff, "auto (KV, else text), kv (KV or fail), text (re-encode)")
       ->check(CLI::IsMember({"auto", "kv", "text"}));
-  cmd.add_option("--pool-format", a.format, "KV format of a session in the pool (kv/kv_format.hpp syntax)");
+  cmd.add_option("--pool-format", a.format, "KV format of a session in the pool (kv/kv_format.hpp syntax)")
+      ->needs(pool);  // without a pool it would be ignored, unchecked
   cmd.add_flag("--verify", a.verify, "--from: rehash every block before using the KV");
   cmd.add_flag("--keep", a.keep, "--from: keep the grant (the descriptor stays valid) instead of releasing it");
 }

@@ -121,6 +121,7 @@ steps:
 YAML
 expect_error "nondep.yaml:5: step 's2' uses '{output:s1}' but does not read step 's1'" run "$tmp/nondep.yaml" -m "$S" -t "$T"
 
+expect_error "--pool-format requires --pool" generate -m "$S" -t "$T" -p hi -n 2 --pool-format int4:vgroup=7
 expect_error "w1_two_agents.yaml:15: step 'intro': context length exceeded" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --ctx 16
 
 # A pool that live processes use keeps its name, and a server that stops
