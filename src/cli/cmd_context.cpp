@@ -16,7 +16,6 @@
 #include "qkvshare/share/share_pool.hpp"
 #include "qkvshare/tiers/context_io.hpp"
 #include "qkvshare/tiers/crypto.hpp"
-#include "qkvshare/tiers/file_io.hpp"
 #include "qkvshare/tiers/redis_tier.hpp"
 
 namespace qkvshare::cli {

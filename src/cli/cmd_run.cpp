@@ -1,11 +1,16 @@
 // qkvshare run / demo: multi-agent workflows, alone or compared across modes.
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <unistd.h>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include "common.hpp"
 #include "qkvshare/agents/compare.hpp"
@@ -74,6 +79,38 @@ void write_file(const std::string& path, const std::string& text) {
   if (!out || !(out << text << "\n")) fail(ErrorCode::io, "{}: cannot write", path);
 }
 
+// The default spill folder belongs to this process: it goes when the run
+// ends, and the folders of runs that were killed (their pid no longer runs;
+// their spilled contexts hold the runs' tokens and text) go first.
+class OwnSpillDir {
+ public:
+  OwnSpillDir() {
+    const std::filesystem::path tmp = std::filesystem::temp_directory_path();
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(tmp, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind(kPrefix, 0) != 0) continue;
+      char* end = nullptr;
+      const long pid = std::strtol(name.c_str() + std::strlen(kPrefix), &end, 10);
+      if (end == nullptr || *end != '\0' || pid <= 0) continue;
+      std::error_code rm;
+      if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) std::filesystem::remove_all(e.path(), rm);
+    }
+    path_ = (tmp / (kPrefix + std::to_string(::getpid()))).string();
+  }
+  ~OwnSpillDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  OwnSpillDir(const OwnSpillDir&) = delete;
+  OwnSpillDir& operator=(const OwnSpillDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  static constexpr const char* kPrefix = "qkvshare-spill.";
+  std::string path_;
+};
+
 void execute(const Workflow& wf, const RunArgs& a) {
   if (!a.json.empty()) check_output_file(a.json, "--json");  // not after the whole run
   RunOptions opts;
@@ -92,11 +129,11 @@ void execute(const Workflow& wf, const RunArgs& a) {
   opts.token_budget = a.token_budget;
   opts.lease_ms = a.lease_ms;
   if (!a.quiet) opts.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  std::optional<OwnSpillDir> own_spill;
   if (!a.kv_budget.empty()) {
     opts.tiers.budget_bytes = parse_bytes(a.kv_budget, "--kv-budget");
-    opts.tiers.spill_dir = a.spill_dir.empty()
-                               ? (std::filesystem::temp_directory_path() / ("qkvshare-spill." + std::to_string(::getpid()))).string()
-                               : a.spill_dir;
+    if (a.spill_dir.empty()) own_spill.emplace();
+    opts.tiers.spill_dir = a.spill_dir.empty() ? own_spill->path() : a.spill_dir;
     opts.tiers.cipher = load_key_flag(a.key);
     opts.tiers.prefetch = !a.no_prefetch;
     opts.tiers.demote = parse_demote_flag(a.demote);

@@ -1,6 +1,8 @@
 #include "share_cli.hpp"
 
 #include <cstdio>
+#include <filesystem>
+#include <optional>
 
 #include "common.hpp"
 #include "qkvshare/core/error.hpp"
@@ -82,9 +84,41 @@ std::unique_ptr<Session> ShareRun::session(Engine& engine, int ctx) {
   return engine.new_session(ctx);
 }
 
+// A descriptor this agent published earlier into the same pool, at the path a
+// new one is about to overwrite; once overwritten nobody could release its grant.
+std::optional<Descriptor> ShareRun::own_descriptor_at(const std::string& path) const {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return std::nullopt;
+  try {
+    Descriptor d = read_descriptor_file(path);
+    if (d.pool_id == pool_->pool_id() && d.producer == args_.agent) return d;
+  } catch (const Error&) {
+    // Not a descriptor (or unreadable): nothing of this pool to end.
+  }
+  return std::nullopt;
+}
+
+void ShareRun::release_replaced(const Descriptor& old, const std::string& path) {
+  try {
+    pool_->release(old, old.grantee);
+    std::fprintf(stderr, "handoff: %s held context %llu for '%s'; that grant is released\n", path.c_str(),
+                 static_cast<unsigned long long>(old.context_id), old.grantee.c_str());
+  } catch (const Error&) {
+    // Released or revoked already: the file was stale.
+  }
+}
+
 void ShareRun::finish(Engine& engine, Session& session, const GenerateResult& r) {
   if (!pool_) return;
-  if (!args_.from.empty() && !args_.keep) pool_->release(from_, args_.agent);
+  if (!args_.from.empty() && !args_.keep) {
+    // The producer may have revoked the context while this consumer worked:
+    // the answer is made and stays reported; only the release had nothing left to end.
+    try {
+      pool_->release(from_, args_.agent);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "handoff: warning: releasing %s: %s\n", args_.from.c_str(), e.what());
+    }
+  }
   if (args_.publish.empty()) return;
   // generate() leaves its last sampled token outside the context (it needed
   // no forward pass); the consumer must see it, so feed it first.
@@ -98,7 +132,9 @@ void ShareRun::finish(Engine& engine, Session& session, const GenerateResult& r)
     for (const std::string& g : args_.grants) {
       granted.push_back(pool_->grant(sealed, args_.agent, g));
       const std::string path = args_.grants.size() == 1 ? args_.publish : args_.publish + "." + g;
+      const std::optional<Descriptor> replaced = own_descriptor_at(path);
       write_descriptor_file(path, granted.back());
+      if (replaced) release_replaced(*replaced, path);
       out.push_back({{"grantee", g}, {"path", path}});
       std::fprintf(stderr, "handoff: published context %llu (%d tokens) to '%s' in %s\n",
                    static_cast<unsigned long long>(sealed.context_id), sealed.tokens, g.c_str(), path.c_str());

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,9 @@ class ShareRun {
   bool active() const noexcept { return pool_ != nullptr; }
 
  private:
+  std::optional<Descriptor> own_descriptor_at(const std::string& path) const;
+  void release_replaced(const Descriptor& old, const std::string& path);
+
   const ShareArgs& args_;
   std::shared_ptr<SharePool> pool_;
   ModelFingerprint fingerprint_;

@@ -1,11 +1,14 @@
 #include "qkvshare/core/file_io.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 
 #include "qkvshare/core/error.hpp"
 
@@ -51,6 +54,11 @@ std::uint64_t write_file_atomic(const std::string& path, const std::function<voi
     pump(f.fd, path, body, total);
     return total;
   }
+  {
+    const auto slash = path.rfind('/');
+    remove_stale_parts(slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash),
+                       (slash == std::string::npos ? path : path.substr(slash + 1)) + ".part.");
+  }
   const std::string part = path + ".part." + std::to_string(::getpid());
   Fd f;
   f.fd = ::open(part.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, static_cast<mode_t>(mode));
@@ -72,6 +80,26 @@ std::uint64_t write_file_atomic(const std::string& path, const std::function<voi
 
 std::uint64_t write_file_atomic(const std::string& path, std::span<const std::uint8_t> bytes, unsigned mode) {
   return write_file_atomic(path, [&](const ByteSink& sink) { sink(bytes); }, mode);
+}
+
+int remove_stale_parts(const std::string& dir, std::string_view prefix) {
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const auto at = name.rfind(".part.");
+    if (at == std::string::npos) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + at + 6, &end, 10);
+    if (end == nullptr || *end != '\0' || pid <= 0) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      std::error_code rm;
+      std::filesystem::remove(e.path(), rm);
+      removed += rm ? 0 : 1;
+    }
+  }
+  return removed;
 }
 
 void check_output_file(const std::string& path, std::string_view what) {

@@ -9,7 +9,7 @@
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/mapped_file.hpp"
 #include "qkvshare/tiers/context_io.hpp"
-#include "qkvshare/tiers/file_io.hpp"
+#include "qkvshare/core/file_io.hpp"
 
 namespace qkvshare {
 

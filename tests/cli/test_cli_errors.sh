@@ -140,6 +140,14 @@ grep -q "no longer refers to this pool" "$tmp/first.log" && "$CLI" pool stat --n
 stop_pool second
 expect_error "pool '$PN' does not exist" pool unlink --name "$PN"
 
+# The default spill folder: a killed run's folder is removed by the next run,
+# and a run removes its own when it ends.
+sh -c 'exit 0' & dead=$!; wait $dead
+mkdir -p "$tmp/qkvshare-spill.$dead" && echo half > "$tmp/qkvshare-spill.$dead/1.qkvctx"
+if TMPDIR="$tmp" "$CLI" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --kv-budget 1M -q >/dev/null 2>&1 \
+   && ! compgen -G "$tmp/qkvshare-spill.*" >/dev/null; then passes=$((passes+1))
+else echo "FAIL: spill folders left in $tmp:"; ls "$tmp"; fails=$((fails+1)); fi
+
 # --help works on every command.
 for cmd in "" generate tokenize logits run demo; do
   if ! "$CLI" $cmd --help >/dev/null 2>&1; then echo "FAIL: '$cmd --help' failed"; fails=$((fails+1)); else passes=$((passes+1)); fi

@@ -2,6 +2,7 @@
 // path checks that run before long work.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -67,6 +68,27 @@ TEST(WriteFileAtomic, AFailedBodyLeavesTheOldFileAndNoPart) {
                std::runtime_error);
   EXPECT_EQ(read_all(path), "kept");
   EXPECT_FALSE(has_part_file(dir));
+}
+
+// A writer killed half-way leaves "<name>.part.<pid>"; the next write of the
+// same name removes it, and nothing of a live writer or another name.
+TEST(WriteFileAtomic, RemovesPartsThatDeadWritersLeft) {
+  const std::string dir = testing::temp_dir();
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);  // a pid that no longer runs
+  const std::string dead = ".part." + std::to_string(child), live = ".part." + std::to_string(::getppid());
+  for (const std::string& name : {"out.bin" + dead, "out.bin" + live, "other.bin" + dead})
+    std::ofstream(dir + "/" + name) << "half";
+  write_file_atomic(dir + "/out.bin", bytes_of("whole"));
+  EXPECT_EQ(read_all(dir + "/out.bin"), "whole");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/out.bin" + dead));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/out.bin" + live));    // its writer may still finish
+  EXPECT_TRUE(std::filesystem::exists(dir + "/other.bin" + dead));  // another name's, left to its writer
+  EXPECT_EQ(remove_stale_parts(dir), 1);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/other.bin" + dead));
 }
 
 TEST(WriteFileAtomic, NamesADirectoryAndAMissingFolder) {

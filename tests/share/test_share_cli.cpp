@@ -143,6 +143,18 @@ TEST_F(ShareCli, PoolLsListsGrantsWithTheirHolderAndLease) {
   EXPECT_TRUE(after["grants"].empty()) << after.dump();
 }
 
+// Publishing again to the same path ends the grant the overwritten descriptor
+// carried: nobody could release it once its file is gone.
+TEST_F(ShareCli, RepublishingToAPathReleasesTheGrantItReplaces) {
+  ASSERT_EQ(publish(dir_ + "/a.desc").status, 0);
+  const CliRun again = publish(dir_ + "/a.desc");
+  ASSERT_EQ(again.status, 0) << again.err;
+  EXPECT_NE(again.err.find("that grant is released"), std::string::npos) << again.err;
+  const auto j = nlohmann::json::parse(cli("pool ls --name " + name_ + " --json").out);
+  EXPECT_EQ(j["grants"].size(), 1u) << j.dump();
+  EXPECT_EQ(nlohmann::json::parse(cli("pool stat --name " + name_).out)["live"]["contexts"], 1);
+}
+
 TEST_F(ShareCli, InspectShowsTheDescriptorAndVerifiesIt) {
   const CliRun a = publish(dir_ + "/a.desc");
   ASSERT_EQ(a.status, 0) << a.err;

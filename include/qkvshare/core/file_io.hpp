@@ -3,7 +3,8 @@
 // the disk tier): written under a temporary name in the same folder, flushed
 // (fsync) and renamed over the final name, so that a reader sees the whole
 // file or none, even after kill -9 or a full disk half-way. Temporary names
-// end in ".part.<pid>" (tiers/file_io.hpp removes those of dead processes).
+// end in ".part.<pid>"; a writer killed half-way leaves its part behind, and
+// the next write of the same path removes it (remove_stale_parts).
 // A target that exists and is not a regular file (/dev/null, /dev/stdout, a
 // FIFO) is written in place: renaming over it would replace the device.
 #include <cstdint>
@@ -23,6 +24,10 @@ using ByteSink = std::function<void(std::span<const std::uint8_t> bytes)>;
 std::uint64_t write_file_atomic(const std::string& path, const std::function<void(const ByteSink&)>& body,
                                 unsigned mode = 0666);
 std::uint64_t write_file_atomic(const std::string& path, std::span<const std::uint8_t> bytes, unsigned mode = 0666);
+
+// Deletes "<dir>/<prefix>*.part.<pid>" of pids that no longer run (what a
+// writer killed half-way left); returns how many it removed.
+int remove_stale_parts(const std::string& dir, std::string_view prefix = {});
 
 // Error(io) naming `what` and the path when write_file_atomic could not
 // write there (a directory, a missing or unwritable folder): called before
