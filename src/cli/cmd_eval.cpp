@@ -25,7 +25,7 @@ struct EvalArgs {
   long max_tokens = 0;
   std::string score = "half";
   std::string protocol = "prefill";
-  int chunk = 64;
+  int chunk = 0;  // 0: not given (64 under --protocol handoff)
   int block = 32;
   int decode = 0;
   bool speed_only = false;
@@ -101,12 +101,16 @@ nlohmann::json to_json(const EvalArgs& a, const EvalReport& r) {
   return j;
 }
 
-void run_eval(const EvalArgs& a) {
+void run_eval(EvalArgs a) {
   if (!a.json_path.empty()) check_output_file(a.json_path, "--json");  // not after the whole evaluation
   if (a.score != "half" && a.score != "all")
     fail(ErrorCode::invalid_argument, "--score must be half or all, got '{}'", a.score);
   if (a.protocol != "prefill" && a.protocol != "handoff")
     fail(ErrorCode::invalid_argument, "--protocol must be prefill or handoff, got '{}'", a.protocol);
+  if (a.chunk != 0 && a.protocol != "handoff")
+    fail(ErrorCode::invalid_argument, "--chunk sets the consumer's pass under --protocol handoff; this is --protocol {}",
+         a.protocol);
+  if (a.chunk == 0) a.chunk = 64;
   const std::vector<KvFormat> formats = parse_formats(a.kv);  // bad formats fail before the model loads
   const std::string text = read_text(a.text_path);
   auto model = load_model(a.model);

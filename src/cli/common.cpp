@@ -3,6 +3,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -63,11 +64,22 @@ EngineOptions engine_options(const ModelArgs& args) {
   return o;
 }
 
+namespace {
+bool is_gguf_file(const std::string& path) {
+  char magic[4] = {};
+  std::ifstream in(path, std::ios::binary);
+  return in.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0;
+}
+}  // namespace
+
 std::unique_ptr<Model> load_model(const ModelArgs& args) {
   const auto t0 = std::chrono::steady_clock::now();
   kernels::set_weight_packing(!args.unpacked_weights);  // read by Model::load
   auto model = Model::load(args.model_path, args.tokenizer_path);
   const double s = seconds_since(t0);
+  if (!args.tokenizer_path.empty() && is_gguf_file(args.model_path))
+    std::fprintf(stderr, "warning: -t/--tokenizer %s is not used: %s carries its own tokenizer\n",
+                 args.tokenizer_path.c_str(), args.model_path.c_str());
   const ModelConfig& c = model->config();
   std::fprintf(stderr, "loaded %s (%s, %d layers, d_model %d, vocab %d, %.1f MiB weights, %.1f MiB packed) in %.3f s\n",
                args.model_path.c_str(), c.architecture.c_str(), c.n_layers, c.d_model, c.vocab_size,

@@ -140,6 +140,12 @@ grep -q "no longer refers to this pool" "$tmp/first.log" && "$CLI" pool stat --n
 stop_pool second
 expect_error "pool '$PN' does not exist" pool unlink --name "$PN"
 
+expect_error "--chunk sets the consumer's pass under --protocol handoff" eval -m "$S" -t "$T" --text "$SRC" --chunk 8
+# A GGUF carries its own tokenizer: a -t beside it is named as unused.
+"$CLI" make-model --shape tiny-llama -o "$tmp/tiny.gguf" >/dev/null 2>&1
+if "$CLI" tokenize -m "$tmp/tiny.gguf" -t "$T" -p hi 2>&1 >/dev/null | grep -qF -- "-t/--tokenizer $T is not used"; then
+  passes=$((passes+1)); else echo "FAIL: -t beside a GGUF was not named as unused"; fails=$((fails+1)); fi
+
 # The default spill folder: a killed run's folder is removed by the next run,
 # and a run removes its own when it ends.
 sh -c 'exit 0' & dead=$!; wait $dead
