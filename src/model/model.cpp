@@ -1,6 +1,7 @@
 #include "qkvshare/model/model.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <new>
 #include <thread>
@@ -18,8 +19,21 @@ Model::~Model() = default;
 std::unique_ptr<Model> Model::load(const std::string& path, const std::string& tokenizer_path, MappedFile::Mode mode) {
   MappedFile probe(path);
   const bool is_gguf = probe.size() >= 4 && std::memcmp(probe.data(), "GGUF", 4) == 0;
+  // llama2.c checkpoints have no magic: anything not GGUF is read as one. A
+  // file that starts with a magic of letters (GGML, ggjt, a GGUF with a
+  // damaged magic) fails there with a header value; say what it starts with.
+  std::string magic;
+  if (probe.size() >= 4 && std::all_of(probe.data(), probe.data() + 4, [](std::uint8_t b) { return std::isalpha(b); }))
+    magic.assign(reinterpret_cast<const char*>(probe.data()), 4);
   probe = MappedFile();
-  std::unique_ptr<Model> model = is_gguf ? load_gguf(path, mode) : load_llama2c(path, tokenizer_path, mode);
+  std::unique_ptr<Model> model;
+  try {
+    model = is_gguf ? load_gguf(path, mode) : load_llama2c(path, tokenizer_path, mode);
+  } catch (const Error& e) {
+    if (is_gguf || magic.empty() || e.code() != ErrorCode::bad_model_file) throw;
+    fail(ErrorCode::bad_model_file, "{} (the file starts with '{}': it is neither GGUF, whose magic is 'GGUF', nor a "
+         "llama2.c checkpoint)", e.what(), magic);
+  }
   model->validate();
   model->pack_weights();
   return model;

@@ -88,6 +88,8 @@ std::unique_ptr<Tokenizer> load_llama2c_tokenizer(const std::string& path, int v
       fail(ErrorCode::bad_tokenizer, "{}: token {}: file ends after {} of {} tokens", path, i, i, vocab_size);
     const std::string item = fmt::format("token {}", i);
     const auto score = r.read<float>(item + " score");
+    if (!std::isfinite(score))  // merges are ranked by score: a NaN would break the ordering
+      fail(ErrorCode::bad_tokenizer, "{}: token {}: score {} is not a finite number", path, i, score);
     const auto length = r.read<std::int32_t>(item + " length");
     if (length < 0 || length > max_token_length)
       fail(ErrorCode::bad_tokenizer, "{}: token {}: length {} outside [0, max_token_length {}]", path, i,
@@ -171,6 +173,9 @@ std::unique_ptr<Tokenizer> load_spm(const GgufFile& g, std::vector<std::string> 
   detail::SpmVocabulary v;
   v.scores.assign(raw.begin(), raw.end());
   for (std::size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(v.scores[i]))  // merges are ranked by score: a NaN would break the ordering
+      fail(ErrorCode::bad_tokenizer, "{}: key '{}': token {}: score {} is not a finite number", g.path(), key, i,
+           v.scores[i]);
     const bool looks_byte = parse_byte_piece(pieces[i]).has_value();
     if (types[i] == TokenType::byte && !looks_byte)
       fail(ErrorCode::bad_tokenizer, "{}: token {}: type byte but the piece is {:?}, not <0xNN>", g.path(), i,

@@ -92,6 +92,17 @@ TEST_F(Llama2cFile, AbsurdHeaderFields) {
   expect_load_error(with_header_field(1, 180, "hidden.bin"), tok_, ErrorCode::bad_model_file, {"hidden.bin"});
 }
 
+// Not GGUF, so read as llama2.c (which has no magic): a file that starts with
+// another format's magic, or a damaged GGUF magic, is named by it.
+TEST_F(Llama2cFile, AnotherFormatsMagicIsNamed) {
+  for (const char* magic : {"GGUX", "ggjt", "GGML"}) {
+    auto bytes = good_;
+    std::memcpy(bytes.data(), magic, 4);
+    expect_load_error(write_bytes(bytes, "magic.bin"), tok_, ErrorCode::bad_model_file,
+                      {"magic.bin", std::string("starts with '") + magic + "'", "neither GGUF"});
+  }
+}
+
 TEST_F(Llama2cFile, MissingTokenizerIsNamed) {
   expect_load_error(testing::shared_path("models/stories260K.bin"), "", ErrorCode::invalid_argument, {"-t"});
   expect_load_error(testing::shared_path("models/stories260K.bin"), "/nonexistent/tok.bin", ErrorCode::io,

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <optional>
 
 #include "qkvshare/core/error.hpp"
@@ -98,6 +99,12 @@ TEST(TokenizerErrors, Llama2cMalformedFiles) {
     std::string s = ok;
     std::memcpy(s.data() + token5 + 4, &bad, 4);
     expect_bad_llama2c(s, 10, {"token 5", "length " + std::to_string(bad), "max_token_length 8"});
+  }
+  // A score that is not a number (merges are ranked by score).
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    std::string s = ok;
+    std::memcpy(s.data() + token5, &bad, 4);
+    expect_bad_llama2c(s, 10, {"token 5", "not a finite number"});
   }
   // A length within max_token_length but past the end of the file.
   {
@@ -214,6 +221,12 @@ TEST(TokenizerErrors, GgufInconsistentArrays) {
                       },
                       GgufVocab::llama()),
                   {"tokenizer.ggml.scores", "2 entries", "has 4"});
+  expect_bad_gguf(with(
+                      [](GgufVocab& v) {
+                        v.scores = std::vector<float>{0, std::numeric_limits<float>::quiet_NaN(), -2, -3};
+                      },
+                      GgufVocab::llama()),
+                  {"tokenizer.ggml.scores", "token 1", "not a finite number"});
   expect_bad_gguf(with(
                       [](GgufVocab& v) {
                         v.types = std::vector<std::int32_t>{3, 6, 1, 1};
