@@ -253,7 +253,7 @@ class Session:
 
     def splice(self, pool: Pool, descriptor: Descriptor, agent: str, begin: int = 0, end: int | None = None, recompute: float = 0.15, guard: bool = True, threshold: float | None = None, release: bool = True) -> dict:
         """
-        Splices tokens [begin, end) of a context granted to `agent` onto the end of this session (DESIGN.md handoff mode splice): the session keeps its own prefix (its role), the spliced tokens' KV is reused at a position offset after the first `recompute` fraction of them is run again under this prefix; the guard recomputes more (up to all of it, a text re-read) when its estimate of the deviation is above `threshold` (None: calibrated for the session's KV format). Returns what it did: tokens, recomputed, reused, probe_tokens, fraction, estimate, escalated, text, seconds. Raises BadDescriptor for a stale, forged or foreign descriptor and InvalidArgument for a bad range or a session outside `pool`.
+        Splices tokens [begin, end) of a context granted to `agent` onto the end of this session (docs/design.md handoff mode splice): the session keeps its own prefix (its role), the spliced tokens' KV is reused at a position offset after the first `recompute` fraction of them is run again under this prefix; the guard recomputes more (up to all of it, a text re-read) when its estimate of the deviation is above `threshold` (None: calibrated for the session's KV format). Returns what it did: tokens, recomputed, reused, probe_tokens, fraction, estimate, escalated, text, seconds. Raises BadDescriptor for a stale, forged or foreign descriptor and InvalidArgument for a bad range or a session outside `pool`.
         """
 
 class Descriptor:

@@ -231,6 +231,19 @@ Session& SessionBox::get() {
   return *session;
 }
 
+namespace {
+// Reads the session under the engine's mutex, the GIL released while it
+// waits: another thread's prefill() or a scheduler step may be writing it.
+template <typename F>
+auto read_session(SessionBox& s, F read) {
+  if (!s.session) fail(ErrorCode::invalid_argument, "the session is closed");
+  nb::gil_scoped_release release;
+  std::lock_guard lock(s.engine->mu);
+  if (!s.session) fail(ErrorCode::invalid_argument, "the session is closed");  // closed while we waited
+  return read(*s.session);
+}
+}  // namespace
+
 Session& SessionBox::locked() {
   if (!session) fail(ErrorCode::invalid_argument, "the session is closed");
   if (queued) fail_busy();
@@ -398,25 +411,19 @@ void bind_session(nb::module_& m) {
       .def_prop_ro("logits", [](std::shared_ptr<SessionBox> s) { return logits_view(s); },
                    "Logits of the last prefill() (read-only NumPy view, no copy); None before any and after generate/stream.")
       .def_prop_ro("tokens", [](SessionBox& s) {
-        if (!s.session) fail(ErrorCode::invalid_argument, "the session is closed");
-        std::vector<TokenId> t = s.session->tokens();
+        std::vector<TokenId> t = read_session(s, [](const Session& x) { return x.tokens(); });
         if (s.pending) t.push_back(*s.pending);
         return t;
       }, "Every token of the session, the pending one included.")
-      .def_prop_ro("n_past", [](SessionBox& s) {
-        if (!s.session) fail(ErrorCode::invalid_argument, "the session is closed");
-        return s.session->n_past();
-      }, "Tokens whose KV is stored.")
+      .def_prop_ro("n_past", [](SessionBox& s) { return read_session(s, [](const Session& x) { return x.n_past(); }); },
+                   "Tokens whose KV is stored.")
       .def_prop_ro("pending_token", [](const SessionBox& s) { return s.pending; },
                    "The last generated token when no pass ran for it yet (it is fed first by the next call).")
-      .def_prop_ro("capacity", [](SessionBox& s) {
-        if (!s.session) fail(ErrorCode::invalid_argument, "the session is closed");
-        return s.session->cache().capacity();
-      })
+      .def_prop_ro("capacity",
+                   [](SessionBox& s) { return read_session(s, [](const Session& x) { return x.cache().capacity(); }); })
       .def_prop_ro("kv", [](const SessionBox& s) { return s.kv; }, "The KV format.")
       .def_prop_ro("text", [](SessionBox& s) {
-        if (!s.session) fail(ErrorCode::invalid_argument, "the session is closed");
-        std::vector<TokenId> t = s.session->tokens();
+        std::vector<TokenId> t = read_session(s, [](const Session& x) { return x.tokens(); });
         if (s.pending) t.push_back(*s.pending);
         return utf8(s.engine->model->model->tokenizer().decode(t));
       })

@@ -376,7 +376,7 @@ void bind_share(nb::module_& m) {
           nb::is_method(), nb::scope(session_type), nb::name("splice"), nb::arg("pool"), nb::arg("descriptor"),
           nb::arg("agent"), nb::arg("begin") = 0, nb::arg("end") = nb::none(), nb::arg("recompute") = 0.15,
           nb::arg("guard") = true, nb::arg("threshold") = nb::none(), nb::arg("release") = true,
-          "Splices tokens [begin, end) of a context granted to `agent` onto the end of this session (DESIGN.md "
+          "Splices tokens [begin, end) of a context granted to `agent` onto the end of this session (docs/design.md "
           "handoff mode splice): the session keeps its own prefix (its role), the spliced tokens' KV is reused at a "
           "position offset after the first `recompute` fraction of them is run again under this prefix; the guard "
           "recomputes more (up to all of it, a text re-read) when its estimate of the deviation is above "

@@ -1,4 +1,4 @@
-// Splice: a context's segments placed at another position (DESIGN.md
+// Splice: a context's segments placed at another position (docs/design.md
 // "Context"), the tail handed on alone, and decoded rows for the guard.
 #include <algorithm>
 #include <cstring>

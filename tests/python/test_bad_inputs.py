@@ -317,3 +317,30 @@ def test_pool_of_zero_bytes():
             q.Pool.anonymous(bytes=size)
     with pytest.raises(q.InvalidArgument, match="too small"):
         q.Pool.create("pyfix-zero", bytes=0)
+
+
+# 13. Reading a session's tokens, text, n_past or capacity while another thread generates on it:
+# the reads wait for the engine between passes instead of copying a vector being appended to.
+PROPERTY_RACE = """
+    import sys, threading, qkvshare as q
+    m = q.Model.load(sys.argv[1], sys.argv[2])
+    e = q.Engine(m, threads=1)
+    s = e.session()
+    t = threading.Thread(target=lambda: s.generate("Once upon a time", max_tokens=400, temperature=0,
+                                                   ignore_eos=True))
+    t.start()
+    seen = []
+    while t.is_alive():
+        tokens, n_past = s.tokens, s.n_past
+        assert isinstance(s.text, str) and s.capacity >= n_past
+        seen.append(tokens)
+    t.join()
+    final = s.tokens
+    assert all(final[:len(x)] == x for x in seen), "a read saw tokens the session never held"
+    print("reads", len(seen) > 0, "final", len(final))
+"""
+
+
+def test_properties_while_another_thread_generates(stories_paths):
+    r = run_probe(PROPERTY_RACE, str(stories_paths[0]), str(stories_paths[1]))
+    assert r.stdout.split()[:2] == ["reads", "True"], r.stdout

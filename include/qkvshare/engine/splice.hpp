@@ -1,5 +1,5 @@
 #pragma once
-// Splice at the engine level (DESIGN.md handoff mode `splice`): another
+// Splice at the engine level (docs/design.md handoff mode `splice`): another
 // context's tokens go to the end of a session's context as a KV segment at a
 // position offset (nothing copied, kv/pooled_kv_cache.hpp), after the first
 // `recompute` fraction of them has been run again under this session's own

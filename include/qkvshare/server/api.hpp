@@ -16,7 +16,7 @@
 namespace qkvshare::server {
 
 // An Error with the HTTP status and OpenAI error `type`/`param` it maps to.
-// Still a qkvshare::Error, so the one error style holds (DESIGN.md rule 6).
+// Still a qkvshare::Error, so the one error style holds (docs/design.md rule 6).
 class ApiError : public Error {
  public:
   ApiError(int status, std::string type, std::string param, const std::string& message)

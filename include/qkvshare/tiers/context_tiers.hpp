@@ -1,5 +1,5 @@
 #pragma once
-// Keeps a workflow's handed-off contexts under a pool byte budget (DESIGN.md
+// Keeps a workflow's handed-off contexts under a pool byte budget (docs/design.md
 // "Tiers"; the policy of KVFlow, NeurIPS'25): between steps, while the pool
 // holds more than the budget, the context at rest whose next consumer runs
 // furthest in the future (steps-to-execution in the DAG order; least
