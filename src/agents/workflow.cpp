@@ -64,14 +64,19 @@ class Parser {
   void unique_keys(const YAML::Node& map, const std::string& where) const {
     std::set<std::string> seen;
     for (const auto& kv : map)
-      if (!seen.insert(kv.first.as<std::string>()).second)
-        error(kv.first, "'" + kv.first.as<std::string>() + "' appears twice in " + where);
+      if (!seen.insert(key(kv.first, where)).second) error(kv.first, "'" + key(kv.first, where) + "' appears twice in " + where);
+  }
+
+  // A mapping's key as a name: YAML allows a list or a mapping as a key ("? [a, b]"), a workflow does not.
+  std::string key(const YAML::Node& k, const std::string& where) const {
+    if (!k.IsScalar()) error(k, "a key in " + where + " must be a plain name, not a list or mapping");
+    return k.Scalar();
   }
 
   void only_keys(const YAML::Node& map, const std::set<std::string>& allowed, const std::string& where) const {
     unique_keys(map, where);
     for (const auto& kv : map) {
-      const auto key = kv.first.as<std::string>();
+      const auto key = this->key(kv.first, where);
       if (!allowed.count(key)) {
         std::string list;
         for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
@@ -301,14 +306,28 @@ std::string directory_of(const std::string& path) {
 
 }  // namespace
 
+namespace {
+Workflow parse_tree(const YAML::Node& root, const std::string& source, const Workflow::DocumentReader& read);
+}  // namespace
+
 Workflow Workflow::parse(const std::string& yaml_text, const std::string& source, const DocumentReader& read) {
-  Parser p(source);
   YAML::Node root;
   try {
     root = YAML::Load(yaml_text);
   } catch (const YAML::ParserException& e) {
     fail(ErrorCode::bad_workflow, "{}:{}: YAML syntax error: {}", source, e.mark.line + 1, e.msg);
   }
+  try {
+    return parse_tree(root, source, read);
+  } catch (const YAML::Exception& e) {
+    // A shape the checks above did not foresee: still the file's error, with its line.
+    fail(ErrorCode::bad_workflow, "{}:{}: {}", source, e.mark.line + 1, e.msg);
+  }
+}
+
+namespace {
+Workflow parse_tree(const YAML::Node& root, const std::string& source, const Workflow::DocumentReader& read) {
+  Parser p(source);
   if (!root.IsMap()) fail(ErrorCode::bad_workflow, "{}: a workflow must be a mapping with agents and steps", source);
   p.only_keys(root, {"name", "task", "documents", "agents", "steps"}, "the workflow");
   Workflow w;
@@ -321,7 +340,7 @@ Workflow Workflow::parse(const std::string& yaml_text, const std::string& source
     for (const auto& kv : docs) {
       const auto file = p.scalar<std::string>(kv.second, "document");
       try {
-        w.documents[kv.first.as<std::string>()] =
+        w.documents[p.key(kv.first, "'documents'")] =
             read ? read(file) : read_text_file(file.rfind('/', 0) == 0 ? file : directory_of(source) + "/" + file);
       } catch (const Error& e) {
         p.error(kv.second, std::string("document: ") + e.what());
@@ -332,7 +351,7 @@ Workflow Workflow::parse(const std::string& yaml_text, const std::string& source
   if (!agents || !agents.IsMap() || agents.size() == 0) p.error(root, "'agents' must be a non-empty mapping");
   p.unique_keys(agents, "'agents'");
   for (const auto& kv : agents) {
-    const auto name = kv.first.as<std::string>();
+    const auto name = p.key(kv.first, "'agents'");
     w.agents.emplace(name, p.agent(name, kv.second));
   }
   const YAML::Node steps = root["steps"];
@@ -341,6 +360,7 @@ Workflow Workflow::parse(const std::string& yaml_text, const std::string& source
   validate(w);
   return w;
 }
+}  // namespace
 
 Workflow Workflow::load(const std::string& path) {
   check_regular_file(path, "workflow file");

@@ -101,6 +101,13 @@ TEST(Workflow, RejectsUnknownAgentsStepsFieldsAndModes) {
              "bad.yaml:2: 'task' appears twice in the workflow");
   expect_bad("agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: a}\n  - {id: y, agent: a, inputs: [{from: x, mode: splice, recompute: 0.15, recompute: 0.5}]}\n",
              "'recompute' appears twice in input");
+  // YAML's complex keys ("? [a, b]") are not names (yaml-cpp threw a bare "bad conversion").
+  expect_bad("agents:\n  ? [a, b]\n  : {prompt: go}\nsteps: [{id: x, agent: a}]\n",
+             "bad.yaml:2: a key in 'agents' must be a plain name, not a list or mapping");
+  expect_bad("? {name: x}\n: y\nagents: {a: {prompt: go}}\nsteps: [{id: x, agent: a}]\n",
+             "a key in the workflow must be a plain name");
+  expect_bad("agents: {a: {prompt: go, ? [k]: v}}\nsteps: [{id: x, agent: a}]\n",
+             "a key in agent 'a' must be a plain name");
   // {output:X} only for a step that this one reads: X's output may not exist yet.
   expect_bad("agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: a}\n  - {id: y, agent: a, prompt: 'see {output:x}'}\n",
              "bad.yaml:4: step 'y' uses '{output:x}' but does not read step 'x'");
