@@ -57,18 +57,19 @@ if compgen -G "build-tsan/tsan-server/report*" >/dev/null; then
   echo "[test] ThreadSanitizer reported on the server's threads" >&2
   exit 1
 fi
-stage "libFuzzer: the GGUF and descriptor parsers 45 s each, the server's HTTP request path, the PQ codebook, the context file, the workflow file and the tokenizer readers 30 s each"
+stage "libFuzzer: the GGUF and descriptor parsers 45 s each, the server's HTTP request path, the PQ codebook, the context file, the workflow file and the tokenizer readers 30 s each, KV format names 20 s"
 CXX=clang++ CC=clang cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQKVSHARE_FUZZ=ON \
   -DQKVSHARE_BUILD_TESTS=OFF -DQKVSHARE_BUILD_BENCH=OFF >&2
-cmake --build build-fuzz -j "$(nproc)" --target fuzz_gguf fuzz_descriptor fuzz_http fuzz_codebook fuzz_context fuzz_workflow fuzz_tokenizer >&2
+cmake --build build-fuzz -j "$(nproc)" --target fuzz_gguf fuzz_descriptor fuzz_http fuzz_codebook fuzz_context fuzz_workflow fuzz_tokenizer fuzz_kv_format >&2
 stage "libFuzzer: runs"
-for f in fuzz_gguf fuzz_descriptor fuzz_http fuzz_codebook fuzz_context fuzz_workflow fuzz_tokenizer; do
+for f in fuzz_gguf fuzz_descriptor fuzz_http fuzz_codebook fuzz_context fuzz_workflow fuzz_tokenizer fuzz_kv_format; do
   mkdir -p "build-fuzz/corpus-$f"
   seconds=45 seeds=()
   [ "$f" = fuzz_http ] && seconds=30 seeds=(tests/fuzz/corpus_http)
   [ "$f" = fuzz_codebook ] && seconds=30 seeds=(tests/fuzz/corpus_codebook)
   [ "$f" = fuzz_context ] && seconds=30 seeds=(tests/data/contexts)
   [ "$f" = fuzz_workflow ] && seconds=30 seeds=(examples)
+  [ "$f" = fuzz_kv_format ] && seconds=20 seeds=(tests/fuzz/corpus_kv_format)
   # Its seeds (llama2.c and GGUF tokenizers with a text) are written by the fuzzer itself.
   [ "$f" = fuzz_tokenizer ] && seconds=30 && QKVSHARE_FUZZ_SEED_DIR="build-fuzz/corpus-$f" "build-fuzz/tests/fuzz/$f" -runs=0 >/dev/null 2>&1
   "build-fuzz/tests/fuzz/$f" -max_total_time=$seconds -seed=1 -print_final_stats=1 "build-fuzz/corpus-$f" "${seeds[@]}" 2>&1 | tail -5
