@@ -1,5 +1,6 @@
 #include "qkvshare/agents/workflow.hpp"
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -314,6 +315,8 @@ Workflow Workflow::parse(const std::string& yaml_text, const std::string& source
   YAML::Node root;
   try {
     root = YAML::Load(yaml_text);
+  } catch (const YAML::DeepRecursion& e) {  // its own message is yaml-cpp's "bad file"
+    fail(ErrorCode::bad_workflow, "{}:{}: YAML nested {} levels deep, past the reader's limit", source, e.mark.line + 1, e.depth());
   } catch (const YAML::ParserException& e) {
     fail(ErrorCode::bad_workflow, "{}:{}: YAML syntax error: {}", source, e.mark.line + 1, e.msg);
   }

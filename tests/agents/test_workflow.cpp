@@ -101,6 +101,7 @@ TEST(Workflow, RejectsUnknownAgentsStepsFieldsAndModes) {
              "bad.yaml:2: 'task' appears twice in the workflow");
   expect_bad("agents: {a: {prompt: go}}\nsteps:\n  - {id: x, agent: a}\n  - {id: y, agent: a, inputs: [{from: x, mode: splice, recompute: 0.15, recompute: 0.5}]}\n",
              "'recompute' appears twice in input");
+  expect_bad("a: " + std::string(5000, '[') + std::string(5000, ']') + "\n", "levels deep, past the reader's limit");
   // YAML's complex keys ("? [a, b]") are not names (yaml-cpp threw a bare "bad conversion").
   expect_bad("agents:\n  ? [a, b]\n  : {prompt: go}\nsteps: [{id: x, agent: a}]\n",
              "bad.yaml:2: a key in 'agents' must be a plain name, not a list or mapping");
