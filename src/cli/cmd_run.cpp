@@ -1,9 +1,7 @@
 // qkvshare run / demo: multi-agent workflows, alone or compared across modes.
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -89,12 +87,10 @@ class OwnSpillDir {
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(tmp, ec)) {
       const std::string name = e.path().filename().string();
-      if (name.rfind(kPrefix, 0) != 0) continue;
-      char* end = nullptr;
-      const long pid = std::strtol(name.c_str() + std::strlen(kPrefix), &end, 10);
-      if (end == nullptr || *end != '\0' || pid <= 0) continue;
+      if (name.rfind(kPrefix, 0) != 0 || !names_dead_process(std::string_view(name).substr(std::strlen(kPrefix))))
+        continue;
       std::error_code rm;
-      if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) std::filesystem::remove_all(e.path(), rm);
+      std::filesystem::remove_all(e.path(), rm);
     }
     path_ = (tmp / (kPrefix + std::to_string(::getpid()))).string();
   }

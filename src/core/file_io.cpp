@@ -82,6 +82,14 @@ std::uint64_t write_file_atomic(const std::string& path, std::span<const std::ui
   return write_file_atomic(path, [&](const ByteSink& sink) { sink(bytes); }, mode);
 }
 
+bool names_dead_process(std::string_view pid_text) {
+  const std::string digits(pid_text);
+  char* end = nullptr;
+  const long pid = std::strtol(digits.c_str(), &end, 10);
+  if (digits.empty() || end == nullptr || *end != '\0' || pid <= 0) return false;
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
 int remove_stale_parts(const std::string& dir, std::string_view prefix) {
   int removed = 0;
   std::error_code ec;
@@ -89,15 +97,10 @@ int remove_stale_parts(const std::string& dir, std::string_view prefix) {
     const std::string name = e.path().filename().string();
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
     const auto at = name.rfind(".part.");
-    if (at == std::string::npos) continue;
-    char* end = nullptr;
-    const long pid = std::strtol(name.c_str() + at + 6, &end, 10);
-    if (end == nullptr || *end != '\0' || pid <= 0) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
-      std::error_code rm;
-      std::filesystem::remove(e.path(), rm);
-      removed += rm ? 0 : 1;
-    }
+    if (at == std::string::npos || !names_dead_process(std::string_view(name).substr(at + 6))) continue;
+    std::error_code rm;
+    std::filesystem::remove(e.path(), rm);
+    removed += rm ? 0 : 1;
   }
   return removed;
 }

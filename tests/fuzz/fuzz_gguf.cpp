@@ -6,43 +6,19 @@
 //   cmake --build build-fuzz --target fuzz_gguf
 //   mkdir corpus && QKVSHARE_FUZZ_SEED_DIR=corpus ./build-fuzz/tests/fuzz/fuzz_gguf -runs=0
 //   ./build-fuzz/tests/fuzz/fuzz_gguf -max_len=4096 corpus/
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "memory_file.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/model/gguf.hpp"
 
 namespace {
 
 volatile unsigned g_sink;  // keeps the reads of tensor bytes from being optimised away
-
-int memory_file() {
-  static const int fd = [] {
-    const int f = ::memfd_create("fuzz_gguf", MFD_CLOEXEC);
-    if (f < 0) {
-      std::perror("memfd_create");
-      std::abort();
-    }
-    return f;
-  }();
-  return fd;
-}
-
-void replace_contents(int fd, const std::uint8_t* data, std::size_t size) {
-  if (::ftruncate(fd, 0) != 0) std::abort();
-  std::size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::pwrite(fd, data + done, size - done, static_cast<off_t>(done));
-    if (n <= 0) std::abort();
-    done += static_cast<std::size_t>(n);
-  }
-}
 
 // Well-formed seeds, so the fuzzer starts from files that get past the header.
 void write_seeds(const std::string& dir) {
@@ -74,9 +50,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  const int fd = memory_file();
-  replace_contents(fd, data, size);
-  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  const std::string path = qkvshare::fuzz::memory_file_with(data, size);
   try {
     const auto f = qkvshare::GgufFile::open(path);
     unsigned sum = 0;

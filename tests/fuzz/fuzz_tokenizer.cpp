@@ -5,9 +5,6 @@
 // encode the text and decode the ids without a crash, a hang or an id outside
 // the vocabulary. Any exception other than qkvshare::Error is a finding.
 // QKVSHARE_FUZZ_SEED_DIR=DIR writes well-formed seeds of both kinds into DIR.
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -16,33 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "memory_file.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/model/gguf.hpp"
 #include "qkvshare/model/tokenizer.hpp"
 
 namespace {
-
-int memory_file() {
-  static const int fd = [] {
-    const int f = ::memfd_create("fuzz_tokenizer", MFD_CLOEXEC);
-    if (f < 0) {
-      std::perror("memfd_create");
-      std::abort();
-    }
-    return f;
-  }();
-  return fd;
-}
-
-void replace_contents(int fd, const std::uint8_t* data, std::size_t size) {
-  if (::ftruncate(fd, 0) != 0) std::abort();
-  std::size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::pwrite(fd, data + done, size - done, static_cast<off_t>(done));
-    if (n <= 0) std::abort();
-    done += static_cast<std::size_t>(n);
-  }
-}
 
 std::string header(char kind, std::uint16_t vocab, const std::string& text) {
   std::string s(1, kind);
@@ -120,9 +96,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::memcpy(&text_len, data + 3, 2);
   if (5u + text_len > size) return 0;
   const std::string text(reinterpret_cast<const char*>(data) + 5, text_len);
-  const int fd = memory_file();
-  replace_contents(fd, data + 5 + text_len, size - 5 - text_len);
-  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  const std::string path = qkvshare::fuzz::memory_file_with(data + 5 + text_len, size - 5 - text_len);
   try {
     std::unique_ptr<qkvshare::Tokenizer> tok;
     std::unique_ptr<qkvshare::GgufFile> gguf;

@@ -25,6 +25,10 @@ std::uint64_t write_file_atomic(const std::string& path, const std::function<voi
                                 unsigned mode = 0666);
 std::uint64_t write_file_atomic(const std::string& path, std::span<const std::uint8_t> bytes, unsigned mode = 0666);
 
+// Whether `pid_text` is a process id (decimal, > 0) of no running process:
+// the owner of a leftover named after its pid is gone.
+bool names_dead_process(std::string_view pid_text);
+
 // Deletes "<dir>/<prefix>*.part.<pid>" of pids that no longer run (what a
 // writer killed half-way left); returns how many it removed.
 int remove_stale_parts(const std::string& dir, std::string_view prefix = {});
