@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/core/half.hpp"
 #include "qkvshare/kernels/isa.hpp"
 #include "qkvshare/kernels/kv_pq.hpp"
 #include "qkvshare/kernels/kv_tiles.hpp"
@@ -103,6 +104,47 @@ struct TileDesc {
   }
 };
 
+// The sparse outliers of a tile read on its codes (kv_kernels.hpp), those of
+// rows [lo, hi) as (row, channel, residual), and what they add: each its
+// residual times the query's channel to that row's score ...
+struct OutlierTerms {
+  std::vector<int> row, channel;
+  std::vector<float> residual;
+
+  int take(const TileOutliers& o, int D, int lo, int hi, float scale) {
+    row.clear(), channel.clear(), residual.clear();
+    for (int e = 0; e < o.n; ++e) {
+      const int j = o.index[e] / D;
+      if (j < lo || j >= hi) continue;
+      row.push_back(j), channel.push_back(o.index[e] % D), residual.push_back(scale * fp16_to_fp32(o.residual[e]));
+    }
+    return static_cast<int>(row.size());
+  }
+};
+void add_key_outliers(const TileOutliers& o, int D, int lo, int hi, const float* q, int nq, float scale, float* s,
+                      std::size_t s_stride) {
+  if (o.n == 0) return;
+  thread_local OutlierTerms t;
+  const int n = t.take(o, D, lo, hi, scale);
+  for (int i = 0; i < nq; ++i) {
+    float* si = s + static_cast<std::size_t>(i) * s_stride;
+    const float* qi = q + static_cast<std::size_t>(i) * D;
+    for (int e = 0; e < n; ++e) si[t.row[e]] += t.residual[e] * qi[t.channel[e]];
+  }
+}
+// ... and its residual times the row's weight to the weighted sums.
+void add_value_outliers(const TileOutliers& o, int D, int lo, int hi, const float* p, std::size_t p_stride, int nq,
+                        float* out) {
+  if (o.n == 0) return;
+  thread_local OutlierTerms t;
+  const int n = t.take(o, D, lo, hi, 1.0f);
+  for (int i = 0; i < nq; ++i) {
+    float* oi = out + static_cast<std::size_t>(i) * D;
+    const float* pi = p + static_cast<std::size_t>(i) * p_stride;
+    for (int e = 0; e < n; ++e) oi[t.channel[e]] += t.residual[e] * pi[t.row[e]];
+  }
+}
+
 // One job: KV head h, query tokens [t0, t1), key blocks [b0, b1).
 void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b0, int b1, bool partial,
              Partial* part_ml, float* part_o) {
@@ -189,11 +231,14 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
       ops.query_codes(kc, in.k_tiles[ti], qk, nq, scale, qcodes.data(), qab.data());
       float* s0 = &scores[static_cast<std::size_t>(b - b0) * T];
       ops.code_scores(kc, in.k_tiles[ti], lo, hi, qcodes.data(), qab.data(), nq, s0, static_cast<std::size_t>(keys));
+      add_key_outliers(tile_outliers(k_desc.layout, in.k_tiles[ti]), D, lo, hi, qk, nq, scale, s0,
+                       static_cast<std::size_t>(keys));
       continue;
     }
     const float* k = reinterpret_cast<const float*>(in.k_tiles[ti]);
     if (in.k_codecs[b].type != KvType::f32) {
       ops.decode(kc, in.k_tiles[ti], rows, tile.data());
+      add_outliers(k_desc.layout, in.k_tiles[ti], rows, tile.data());
       k = tile.data();
     }
     if (rows_rope) {  // stored before RoPE: rotated to the positions they were computed at
@@ -253,11 +298,14 @@ void run_job(const AttendInput& in, const Ops& ops, int h, int t0, int t1, int b
         for (int j = std::max(lo, lim_of(b, i)); j < hi; ++j) pi[j] = 0.0f;
       }
       ops.code_sum(vc, in.v_tiles[ti], lo, hi, p0, static_cast<std::size_t>(keys), nq, obuf.data());
+      add_value_outliers(tile_outliers(v_desc.layout, in.v_tiles[ti]), D, lo, hi, p0, static_cast<std::size_t>(keys), nq,
+                         obuf.data());
       continue;
     }
     const float* v = reinterpret_cast<const float*>(in.v_tiles[ti]);
     if (in.v_codecs[b].type != KvType::f32) {
       ops.decode(vc, in.v_tiles[ti], rows, tile.data());
+      add_outliers(v_desc.layout, in.v_tiles[ti], rows, tile.data());
       v = tile.data();
     }
     for (int i = 0; i < nq; ++i) {

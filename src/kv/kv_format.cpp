@@ -118,15 +118,21 @@ int KvCodec::bits() const noexcept {
 }
 
 std::uint32_t KvCodec::pack() const noexcept {
-  return static_cast<std::uint32_t>(type) | (static_cast<std::uint32_t>(axis) << 8) |
+  // The axis byte's upper seven bits carry the outliers (codecs written before
+  // them read as none).
+  return static_cast<std::uint32_t>(type) |
+         ((static_cast<std::uint32_t>(axis) | (static_cast<std::uint32_t>(outliers) << 1)) << 8) |
          (static_cast<std::uint32_t>(group) << 16);
 }
 
 KvCodec KvCodec::unpack(std::uint32_t packed) {
-  const std::uint32_t t = packed & 0xffu, a = (packed >> 8) & 0xffu;
-  if (t > static_cast<std::uint32_t>(KvType::pq) || a > 1)
+  const std::uint32_t t = packed & 0xffu, a = (packed >> 8) & 1u, o = (packed >> 9) & 0x7fu;
+  if (t > static_cast<std::uint32_t>(KvType::pq))
     fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: unknown type {} or axis {}", packed, t, a);
-  KvCodec c{static_cast<KvType>(t), static_cast<KvAxis>(a), static_cast<std::uint16_t>(packed >> 16)};
+  KvCodec c{static_cast<KvType>(t), static_cast<KvAxis>(a), static_cast<std::uint16_t>(packed >> 16),
+            static_cast<std::uint8_t>(o)};
+  if (c.outliers != 0 && !c.scaled())
+    fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: only integer codecs keep outliers", packed);
   if (c.pq() && (c.axis != KvAxis::token || (c.group != 2 && c.group != 4 && c.group != 8)))
     fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: pq takes sub-vectors of 2, 4 or 8 channels", packed);
   if (!c.quantized() && (c.axis != KvAxis::token || c.group != 0))
@@ -165,9 +171,17 @@ TileLayout tile_layout(const KvCodec& c, int block_tokens, int head_dim) {
     t.param_stride = round_up(t.n_params, 8);
     t.param_bytes = t.param_stride * 4;
   }
+  t.outlier_offset = t.param_offset + t.param_bytes;
+  if (c.outliers != 0) {
+    if (!c.scaled()) fail(ErrorCode::invalid_argument, "KV codec: only integer codecs keep outliers");
+    if (T * D > 65536)
+      fail(ErrorCode::unsupported, "KV outliers: a tile of {} tokens x head_dim {} has more elements than a 16-bit "
+           "index reaches (65536)", T, D);
+    t.n_outliers = (T * D * c.outliers + 999) / 1000;
+  }
   // Codes come first: the 3-bit unpacker reads 4 bytes for its last 3, which
   // then fall on the params (or the padding) of the same tile.
-  t.bytes = round_up(t.param_offset + t.param_bytes + (c.scaled() ? 1 : 0), kTileAlign);
+  t.bytes = round_up(t.outlier_offset + 4 * t.n_outliers + (c.scaled() ? 1 : 0), kTileAlign);
   return t;
 }
 
@@ -196,6 +210,7 @@ KvFormat KvFormat::parse(std::string_view text) {
   }
   parse_name(name, whole, f.k, f.v);
   bool has_lo = false, has_top = false;
+  int k_outliers = 0, v_outliers = 0;  // tenths of a percent, applied to the integer codecs at the end
   std::vector<std::string_view> keys;  // an option given twice would silently lose its first value
   for (std::size_t i = first_option; i < parts.size(); ++i) {
     const std::string_view p = parts[i];
@@ -257,6 +272,22 @@ KvFormat KvFormat::parse(std::string_view text) {
       if (val == "attention") f.rank = Rank::attention;
       else if (val == "recent") f.rank = Rank::recent;
       else fail(ErrorCode::invalid_argument, "KV format '{}': rank must be attention or recent, got '{}'", whole, val);
+    } else if (key == "outliers" || key == "koutliers" || key == "voutliers") {
+      if (key == "outliers" ? std::find(keys.begin(), keys.end(), "koutliers") != keys.end() ||
+                                  std::find(keys.begin(), keys.end(), "voutliers") != keys.end()
+                            : std::find(keys.begin(), keys.end(), "outliers") != keys.end())
+        fail(ErrorCode::invalid_argument, "KV format '{}': outliers sets both sides; give it or koutliers/voutliers", whole);
+      const std::string v(val);
+      char* end = nullptr;
+      const double share = std::strtod(v.c_str(), &end);
+      const double tenths = share * 1000.0;
+      if (v.empty() || end != v.c_str() + v.size() || !(tenths >= 0.5 && tenths < KvCodec::kMaxOutliers + 0.5) ||
+          std::abs(tenths - std::round(tenths)) > 1e-6)
+        fail(ErrorCode::invalid_argument, "KV format '{}': {} must be a share from 0.001 to 0.127 in steps of 0.001, "
+             "got '{}'", whole, key, val);
+      const int tenths_int = static_cast<int>(std::lround(tenths));
+      if (key != "voutliers") k_outliers = tenths_int;
+      if (key != "koutliers") v_outliers = tenths_int;
     } else if (key == "top" || key == "budget") {
       const std::string v(val);
       char* end = nullptr;
@@ -268,7 +299,7 @@ KvFormat KvFormat::parse(std::string_view text) {
       has_top = has_top || key == "top";
     } else {
       fail(ErrorCode::invalid_argument,
-           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, keys, lo, top, budget, rank, positions, book)",
+           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, keys, lo, top, budget, rank, positions, outliers, koutliers, voutliers, book)",
            whole, key);
     }
   }
@@ -278,6 +309,21 @@ KvFormat KvFormat::parse(std::string_view text) {
     fail(ErrorCode::invalid_argument, "KV format '{}': mixed precision needs integer high-precision codes", whole);
   if (has_lo && f.lo_v.scaled() && f.v.scaled() && f.lo_v.axis == KvAxis::token && f.v.axis == KvAxis::token)
     f.lo_v.group = f.v.group;
+  for (const bool keys_side : {true, false}) {
+    const int tenths = keys_side ? k_outliers : v_outliers;
+    if (tenths == 0) continue;
+    bool any = false;
+    for (KvCodec* c : {keys_side ? &f.k : &f.v, keys_side ? &f.lo_k : &f.lo_v}) {
+      const bool used = c == &f.k || c == &f.v || has_lo;  // lo codecs only in a mixed format
+      if (used && c->scaled()) c->outliers = static_cast<std::uint8_t>(tenths), any = true;
+    }
+    const bool named = std::find(keys.begin(), keys.end(), keys_side ? "koutliers" : "voutliers") != keys.end();
+    if (!any && named)
+      fail(ErrorCode::invalid_argument, "KV format '{}': {} needs integer {} (int8 .. int2)", whole,
+           keys_side ? "koutliers" : "voutliers", keys_side ? "keys" : "values");
+  }
+  if ((k_outliers != 0 || v_outliers != 0) && f.k.outliers == 0 && f.v.outliers == 0)
+    fail(ErrorCode::invalid_argument, "KV format '{}': outliers needs integer codes (int8 .. int2)", whole);
   if (f.uses_pq() && f.book_path.empty())
     fail(ErrorCode::invalid_argument, "KV format '{}': pq needs book=FILE (a codebook of qkvshare calibrate)", whole);
   if (!f.uses_pq() && !f.book_path.empty())
@@ -335,6 +381,15 @@ std::string KvFormat::to_string() const {
   if (evicts()) s += fmt::format(":budget={}", budget);
   if (rank == Rank::recent) s += ":rank=recent";
   if (close_positions) s += ":positions=close";
+  // One value for every integer codec prints as outliers=; else per side.
+  const int ko = std::max(k.outliers, lo_k.outliers), vo = std::max(v.outliers, lo_v.outliers);
+  const bool k_int = k.scaled() || (mixed() && lo_k.scaled()), v_int = v.scaled() || (mixed() && lo_v.scaled());
+  if (ko != 0 && (ko == vo || !v_int)) s += fmt::format(":outliers={}", ko / 1000.0);
+  else if (vo != 0 && ko == 0 && !k_int) s += fmt::format(":outliers={}", vo / 1000.0);
+  else {
+    if (ko != 0) s += fmt::format(":koutliers={}", ko / 1000.0);
+    if (vo != 0) s += fmt::format(":voutliers={}", vo / 1000.0);
+  }
   if (!book_path.empty()) s += ":book=" + book_path;
   return s;
 }

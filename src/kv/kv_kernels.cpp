@@ -8,6 +8,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_outliers.hpp"
 #include "pq_nearest.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/half.hpp"
@@ -138,17 +139,11 @@ CodebookSlice codebook_slice(const KvFormat& f, const KvCodec& c, int kind, int 
   return codebook_slice(f.book.get(), c, kind, layer, head);
 }
 
-void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, std::byte* tile, CodebookSlice book) {
+namespace {
+
+// The dense codes, scales and mins of an integer tile.
+void encode_scaled_tile(const KvCodec& codec, const TileLayout& l, const float* rows, std::byte* tile) {
   const int T = l.tokens, D = l.head_dim;
-  if (!codec.quantized()) {
-    for (int j = 0; j < T; ++j) encode_row(codec, l, rows + static_cast<std::size_t>(j) * D, j, tile);
-    return;
-  }
-  if (codec.pq()) {
-    QKV_CHECK(book.table_t != nullptr);
-    encode_pq_tile(codec.group, l, rows, tile, book.table_t);
-    return;
-  }
   const int bits = codec.bits(), qmax = (1 << bits) - 1;
   std::uint16_t* scales = scales_of(l, tile);
   std::uint16_t* mins = mins_of(l, tile);
@@ -195,6 +190,30 @@ void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, s
   }
 }
 
+}  // namespace
+
+void encode_tile(const KvCodec& codec, const TileLayout& l, const float* rows, std::byte* tile, CodebookSlice book) {
+  const int T = l.tokens, D = l.head_dim;
+  if (!codec.quantized()) {
+    for (int j = 0; j < T; ++j) encode_row(codec, l, rows + static_cast<std::size_t>(j) * D, j, tile);
+    return;
+  }
+  if (codec.pq()) {
+    QKV_CHECK(book.table_t != nullptr);
+    encode_pq_tile(codec.group, l, rows, tile, book.table_t);
+    return;
+  }
+  if (l.n_outliers == 0) {
+    encode_scaled_tile(codec, l, rows, tile);
+    return;
+  }
+  thread_local std::vector<float> dense;
+  dense.assign(rows, rows + static_cast<std::ptrdiff_t>(T) * D);
+  const std::vector<std::uint16_t> index = take_outliers(codec, l, dense.data());
+  encode_scaled_tile(codec, l, dense.data(), tile);
+  store_outliers(codec, l, index, rows, tile);
+}
+
 kernels::TileCodes tile_codes(const KvCodec& codec, const TileLayout& l, CodebookSlice book) {
   kernels::TileCodes t;
   t.bits = codec.bits();
@@ -220,6 +239,7 @@ void decode_tile_scalar(const KvCodec& codec, const TileLayout& l, const std::by
                         CodebookSlice book) {
   QKV_CHECK(n_rows >= 0 && n_rows <= l.tokens);
   kernels::decode_tile_ref(tile_codes(codec, l, book), tile, n_rows, out);
+  add_outliers(l, tile, n_rows, out);
 }
 
 namespace {

@@ -58,7 +58,8 @@ void copy_elements(const void* src, void* dst, std::size_t count) {
 }
 
 // Moves one tile: rows (f32 / f16 elements, or byte codes), then the f16
-// (scale, min) parameters; everything else is zero.
+// (scale, min) parameters and the outliers' u16 indices and f16 residuals;
+// everything else is zero.
 void convert_tile(const KvCodec& c, int block_tokens, int head_dim, int rows, const void* src, void* dst) {
   const TileLayout l = tile_layout(c, block_tokens, head_dim);
   std::memset(dst, 0, l.bytes);
@@ -73,6 +74,8 @@ void convert_tile(const KvCodec& c, int block_tokens, int head_dim, int rows, co
     auto* d = static_cast<std::uint8_t*>(dst) + l.param_offset;
     copy_elements<std::uint16_t>(s, d, l.n_params);                                         // scales
     copy_elements<std::uint16_t>(s + l.param_stride * 2, d + l.param_stride * 2, l.n_params);  // mins
+    copy_elements<std::uint16_t>(static_cast<const std::uint8_t*>(src) + l.outlier_offset,
+                                 static_cast<std::uint8_t*>(dst) + l.outlier_offset, 2 * l.n_outliers);  // outliers
   }
 }
 

@@ -107,6 +107,8 @@ expect_error "--guard-threshold: 'nan' is not a finite number >= 0" run "$(dirna
 expect_error "--guard-threshold: '-1' is not a finite number >= 0" run "$(dirname "$0")/../../examples/w1_two_agents.yaml" -m "$S" -t "$T" --guard-threshold -1
 expect_error "--kv: empty item in 'int4,,int8'" splice-eval -m "$S" -t "$T" --source "$SRC" --kv int4,,int8
 expect_error "--fractions: empty item in '0.1,'" splice-eval -m "$S" -t "$T" --source "$SRC" --fractions 0.1,
+expect_error "outliers must be a share from 0.001 to 0.127" eval -m "$S" -t "$T" --text "$SRC" --kv int2:outliers=0.5 --ctx 64 --max-tokens 64
+expect_error "outliers needs integer codes" eval -m "$S" -t "$T" --text "$SRC" --kv f16:outliers=0.01 --ctx 64 --max-tokens 64
 expect_error "--kv: the list is empty" splice-eval -m "$S" -t "$T" --source "$SRC" --kv ""
 expect_error "nothing to measure" bench -m "$S" -t "$T" -n 4 -r 1 --batch 2 -d 1000
 expect_error "nothing was measured" bench -m "$S" -t "$T" -n 4 -p 0 -r 1 -d 1000

@@ -125,5 +125,25 @@ TEST(KvEval, HandoffProtocolContinuesTheProducersBlocks) {
   EXPECT_THROW(evaluate_kv(engine, tokens, formats, o), Error);
 }
 
+// Dense-and-sparse tiles on a real model: the same int2 codes with 2% of each
+// tile's elements kept apart cost less KL, and the bits count the outliers.
+TEST(KvEval, OutliersLowerInt2KlOnStories) {
+  auto model = Model::load(testing::shared_path("models/stories260K.bin"), testing::shared_path("models/tok512.bin"));
+  const auto tokens = model->tokenizer().encode(slurp(testing::shared_path("data/tinystories-valid-sample.txt")));
+  Engine engine(*model, EngineOptions{2});
+  const std::vector<KvFormat> formats{KvFormat::parse("int2"), KvFormat::parse("int2:outliers=0.02")};
+  EvalOptions o;
+  o.ctx = 256;
+  o.max_scored = 512;
+  o.protocol = EvalProtocol::handoff;
+  o.chunk = 32;
+  const EvalReport r = evaluate_kv(engine, tokens, formats, o);
+  ASSERT_EQ(r.results.size(), 3u);
+  const EvalFormatResult &plain = r.results[1], &sparse = r.results[2];
+  EXPECT_LT(sparse.mean_kl, 0.8 * plain.mean_kl);
+  // 2% of a 32 x 8 tile: 6 (index, residual) pairs of 32 bits over 256 elements.
+  EXPECT_NEAR(sparse.bits_per_element - plain.bits_per_element, 6.0 * 32 / 256, 1e-9);
+}
+
 }  // namespace
 }  // namespace qkvshare

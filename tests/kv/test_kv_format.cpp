@@ -32,7 +32,8 @@ TEST(KvFormat, ToStringRoundTrips) {
                            "int4:vgroup=64", "int3:rot=kv", "k4v2:window=32:rot=v", "int8:lo=int2:top=0.2",
                            "k8v4:window=64:sink=32:lo=k4v2:top=0.35", "f16:budget=0.5",
                            "int8:window=128:sink=32:lo=int2:top=0.2:budget=0.6", "f16:budget=0.5:rank=recent",
-                           "int4:budget=0.25:positions=close", "int4:keys=pre", "k8v4:rot=v:keys=pre:lo=int2:top=0.5", "int2:window=64:keys=block"}) {
+                           "int4:budget=0.25:positions=close", "int4:keys=pre", "k8v4:rot=v:keys=pre:lo=int2:top=0.5", "int2:window=64:keys=block",
+                           "int2:vgroup=64:outliers=0.01", "k8v4:lo=int2:top=0.2:outliers=0.005", "k16v3:outliers=0.127"}) {
     const KvFormat f = KvFormat::parse(text);
     EXPECT_EQ(f.to_string(), text);
     EXPECT_EQ(KvFormat::parse(f.to_string()), f) << text;

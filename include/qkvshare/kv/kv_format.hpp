@@ -18,6 +18,11 @@
 //  - pq: product quantization (kv_codebook.hpp): one byte per `group`
 //    channels of a row, the index of the nearest centroid of a calibrated
 //    codebook (the format's `book`); no scales.
+// An integer codec may also keep a share of a tile's elements apart
+// (`outliers`: KVQuant's dense-and-sparse split): the elements whose removal
+// narrows their series' (scale, min) range the most are taken out before the
+// range is fitted, and stored after the parameters as (element index, f16
+// residual) pairs that readers add to the dense codes' values.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -46,7 +51,10 @@ struct KvCodec {
   KvType type = KvType::f16;
   KvAxis axis = KvAxis::token;  // integer types only
   std::uint16_t group = 0;      // token axis only: channels per (scale, min) pair; pq: per index
-
+  // Sparse outliers, in tenths of a percent of a tile's elements (integer
+  // codecs only; 0: none, at most kMaxOutliers).
+  std::uint8_t outliers = 0;
+  static constexpr int kMaxOutliers = 127;
 
   bool quantized() const noexcept { return type != KvType::f32 && type != KvType::f16; }
   bool pq() const noexcept { return type == KvType::pq; }
@@ -87,10 +95,12 @@ struct TileLayout {
   std::size_t param_bytes = 0;  // (scale, min) f16 pairs: scales first, then mins
   std::size_t n_params = 0;     // number of (scale, min) pairs
   std::size_t param_stride = 0; // n_params rounded up to 8: mins start this many halves after scales
+  std::size_t outlier_offset = 0;  // after the parameters: n_outliers u16 element indices, then their f16 residuals
+  std::size_t n_outliers = 0;
   std::size_t bytes = 0;        // padded to 32 bytes
 
-  // What a tile stores (codes, scales and mins), without the padding.
-  std::size_t stored_bytes() const noexcept { return code_bytes + param_bytes; }
+  // What a tile stores (codes, scales, mins and outliers), without the padding.
+  std::size_t stored_bytes() const noexcept { return code_bytes + param_bytes + 4 * n_outliers; }
 };
 
 // Throws Error(invalid_argument) when the codec does not fit the head (group).
@@ -153,7 +163,10 @@ struct KvFormat {
   // vgroup=N, rot=none|k|v|kv, keys=post|pre|block (KeyRope), and lo=NAME:top=F (mixed precision: NAME an
   // integer name as above, 0 < F < 1; vgroup applies to both precisions),
   // budget=F (token dropping, 0 < F < 1), rank=attention|recent (how both
-  // choose their blocks), positions=keep|close (where kept blocks sit).
+  // choose their blocks), positions=keep|close (where kept blocks sit),
+  // outliers=F (every integer codec keeps the share F of each tile's
+  // elements apart in f16, 0.001 <= F <= 0.127, in steps of 0.001), or
+  // koutliers=F / voutliers=F for the keys' or the values' codecs only.
   // `mixed:hi=NAME:lo=NAME:top=F` is the same with the high precision named.
   // Throws Error(invalid_argument) naming the part.
   static KvFormat parse(std::string_view text);

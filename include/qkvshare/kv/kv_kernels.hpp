@@ -36,6 +36,19 @@ void encode_tile(const KvCodec& codec, const TileLayout& layout, const float* ro
 // Writes row `j` of a float (f32/f16) tile.
 void encode_row(const KvCodec& codec, const TileLayout& layout, const float* row, int j, std::byte* tile);
 
+// The sparse outliers of a tile (KvCodec::outliers, TileLayout::n_outliers):
+// element index[e] (row * head_dim + channel, ascending) is the dense codes'
+// value plus fp16 residual[e]. Empty (n == 0) for codecs without them.
+struct TileOutliers {
+  const std::uint16_t* index = nullptr;
+  const std::uint16_t* residual = nullptr;
+  int n = 0;
+};
+TileOutliers tile_outliers(const TileLayout& layout, const std::byte* tile) noexcept;
+// Adds the outliers of rows [0, n_rows) to those rows decoded from the codes
+// alone (rows [n_rows][head_dim], as the decode kernels write them).
+void add_outliers(const TileLayout& layout, const std::byte* tile, int n_rows, float* rows) noexcept;
+
 // How the kernels see a tile of this codec (kernels/kv_tiles.hpp). The
 // decode, score, weighted-sum and exp kernels live in the kernels layer and
 // are reached through its one dispatch (kernels::tile_kernels).
