@@ -71,6 +71,9 @@ def short_name(fmt):
             out += "+w"
         elif p in ("keys=pre", "keys=block"):
             out += "+" + p[len("keys="):]
+        elif p.startswith(("outliers=", "koutliers=", "voutliers=")):  # +o1%: 1% of each tile kept apart
+            side, _, share = p.partition("=")
+            out += f"+{side[0] if side != 'outliers' else ''}o{100 * float(share):g}%"
     return out
 
 

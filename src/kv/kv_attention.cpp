@@ -1,6 +1,7 @@
 #include "kv_attention.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -104,45 +105,66 @@ struct TileDesc {
   }
 };
 
-// The sparse outliers of a tile read on its codes (kv_kernels.hpp), those of
-// rows [lo, hi) as (row, channel, residual), and what they add: each its
-// residual times the query's channel to that row's score ...
+// The sparse outliers of a tile read on its codes (kv_kernels.hpp) and what
+// they add to rows [lo, hi): each its residual times the query's channel to
+// that row's score, and its residual times the row's weight to the weighted
+// sums. Decode steps (a few queries) go through the outliers once; prefill
+// chunks (many queries) unpack them first, so each query's pass is a tight
+// loop.
 struct OutlierTerms {
   std::vector<int> row, channel;
   std::vector<float> residual;
-
-  int take(const TileOutliers& o, int D, int lo, int hi, float scale) {
-    row.clear(), channel.clear(), residual.clear();
-    for (int e = 0; e < o.n; ++e) {
-      const int j = o.index[e] / D;
-      if (j < lo || j >= hi) continue;
-      row.push_back(j), channel.push_back(o.index[e] % D), residual.push_back(scale * fp16_to_fp32(o.residual[e]));
-    }
-    return static_cast<int>(row.size());
-  }
 };
+
+// Element index -> (row, channel): a shift where head_dim is a power of two.
+struct IndexSplit {
+  int D, shift;
+  explicit IndexSplit(int d) : D(d), shift((d & (d - 1)) == 0 ? std::countr_zero(static_cast<unsigned>(d)) : -1) {}
+  int row(int i) const noexcept { return shift >= 0 ? i >> shift : i / D; }
+  int channel(int i) const noexcept { return shift >= 0 ? i & (D - 1) : i % D; }
+};
+
+constexpr int kOutlierUnpackQueries = 8;
+
+template <typename Add>
+void for_each_outlier(const TileOutliers& o, int D, int lo, int hi, int nq, Add add) {
+  const IndexSplit split(D);
+  if (nq <= kOutlierUnpackQueries) {
+    for (int e = 0; e < o.n; ++e) {
+      const int j = split.row(o.index[e]);
+      if (j < lo || j >= hi) continue;
+      const int c = split.channel(o.index[e]);
+      const float r = fp16_to_fp32(o.residual[e]);
+      for (int i = 0; i < nq; ++i) add(i, j, c, r);
+    }
+    return;
+  }
+  thread_local OutlierTerms t;
+  t.row.clear(), t.channel.clear(), t.residual.clear();
+  for (int e = 0; e < o.n; ++e) {
+    const int j = split.row(o.index[e]);
+    if (j < lo || j >= hi) continue;
+    t.row.push_back(j), t.channel.push_back(split.channel(o.index[e])), t.residual.push_back(fp16_to_fp32(o.residual[e]));
+  }
+  const int n = static_cast<int>(t.row.size());
+  for (int i = 0; i < nq; ++i)
+    for (int e = 0; e < n; ++e) add(i, t.row[static_cast<std::size_t>(e)], t.channel[static_cast<std::size_t>(e)], t.residual[static_cast<std::size_t>(e)]);
+}
+
 void add_key_outliers(const TileOutliers& o, int D, int lo, int hi, const float* q, int nq, float scale, float* s,
                       std::size_t s_stride) {
   if (o.n == 0) return;
-  thread_local OutlierTerms t;
-  const int n = t.take(o, D, lo, hi, scale);
-  for (int i = 0; i < nq; ++i) {
-    float* si = s + static_cast<std::size_t>(i) * s_stride;
-    const float* qi = q + static_cast<std::size_t>(i) * D;
-    for (int e = 0; e < n; ++e) si[t.row[e]] += t.residual[e] * qi[t.channel[e]];
-  }
+  for_each_outlier(o, D, lo, hi, nq, [&](int i, int j, int c, float r) {
+    s[static_cast<std::size_t>(i) * s_stride + static_cast<std::size_t>(j)] += scale * r * q[static_cast<std::size_t>(i) * D + c];
+  });
 }
-// ... and its residual times the row's weight to the weighted sums.
+
 void add_value_outliers(const TileOutliers& o, int D, int lo, int hi, const float* p, std::size_t p_stride, int nq,
                         float* out) {
   if (o.n == 0) return;
-  thread_local OutlierTerms t;
-  const int n = t.take(o, D, lo, hi, 1.0f);
-  for (int i = 0; i < nq; ++i) {
-    float* oi = out + static_cast<std::size_t>(i) * D;
-    const float* pi = p + static_cast<std::size_t>(i) * p_stride;
-    for (int e = 0; e < n; ++e) oi[t.channel[e]] += t.residual[e] * pi[t.row[e]];
-  }
+  for_each_outlier(o, D, lo, hi, nq, [&](int i, int j, int c, float r) {
+    out[static_cast<std::size_t>(i) * D + c] += r * p[static_cast<std::size_t>(i) * p_stride + static_cast<std::size_t>(j)];
+  });
 }
 
 // One job: KV head h, query tokens [t0, t1), key blocks [b0, b1).
