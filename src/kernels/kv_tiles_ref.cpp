@@ -24,7 +24,20 @@ int unpack_code(const std::byte* row, int i, int bits) {
   return static_cast<int>((word >> (k * bits)) & ((1u << bits) - 1u));
 }
 
+// Element c of a row of b-bit codes under (scale, min) pair p: fma, like the
+// SIMD levels, so that every level decodes to the same bits.
+inline float decode_code(const std::byte* row, int c, int bits, const std::uint16_t* scales, const std::uint16_t* mins,
+                         int p) {
+  return std::fma(static_cast<float>(unpack_code(row, c, bits)), fp16_to_fp32(scales[p]), fp16_to_fp32(mins[p]));
+}
+
 }  // namespace
+
+float decode_element_ref(const TileCodes& t, const std::byte* tile, int j, int c) {
+  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
+  const int p = t.per_channel ? c : j * (t.head_dim / t.group) + c / t.group;
+  return decode_code(tile + static_cast<std::size_t>(j) * t.row_bytes, c, t.bits, scales, scales + t.param_stride, p);
+}
 
 void decode_tile_ref(const TileCodes& t, const std::byte* tile, int n_rows, float* out) {
   const int D = t.head_dim;
@@ -49,10 +62,7 @@ void decode_tile_ref(const TileCodes& t, const std::byte* tile, int n_rows, floa
   for (int j = 0; j < n_rows; ++j) {
     const std::byte* row = tile + static_cast<std::size_t>(j) * t.row_bytes;
     for (int c = 0; c < D; ++c) {
-      const std::size_t p = t.per_channel ? static_cast<std::size_t>(c) : static_cast<std::size_t>(j * groups + c / G);
-      // fma, like the SIMD levels, so that every level decodes to the same bits.
-      out[static_cast<std::size_t>(j) * D + c] =
-          std::fma(static_cast<float>(unpack_code(row, c, bits)), fp16_to_fp32(scales[p]), fp16_to_fp32(mins[p]));
+      out[static_cast<std::size_t>(j) * D + c] = decode_code(row, c, bits, scales, mins, t.per_channel ? c : j * groups + c / G);
     }
   }
 }

@@ -3,13 +3,13 @@
 #include "kv_outliers.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/half.hpp"
+#include "qkvshare/kernels/kv_tiles.hpp"
 
 namespace qkvshare::kv {
 
@@ -111,35 +111,16 @@ std::vector<std::uint16_t> take_outliers(const KvCodec& codec, const TileLayout&
   return taken;
 }
 
-namespace {
-
-// The value element (j, c) of an integer tile decodes to from its codes
-// alone, as kernels::decode_tile_ref computes it (the same fma).
-float dense_value(const KvCodec& codec, const TileLayout& l, const std::byte* tile, int j, int c) {
-  const int bits = codec.bits();
-  const std::byte* unit = tile + static_cast<std::size_t>(j) * l.row_bytes + static_cast<std::size_t>(c / 8 * bits);
-  std::uint64_t word = 0;
-  for (int b = 0; b < bits; ++b) word |= static_cast<std::uint64_t>(unit[b]) << (8 * b);
-  const auto code = static_cast<float>((word >> ((c % 8) * bits)) & ((1u << bits) - 1u));
-  const std::size_t p = codec.axis == KvAxis::channel
-                            ? static_cast<std::size_t>(c)
-                            : static_cast<std::size_t>(j * (l.head_dim / effective_group(codec, l.head_dim)) +
-                                                       c / effective_group(codec, l.head_dim));
-  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + l.param_offset);
-  return std::fma(code, fp16_to_fp32(scales[p]), fp16_to_fp32(scales[l.param_stride + p]));
-}
-
-}  // namespace
-
 void store_outliers(const KvCodec& codec, const TileLayout& l, const std::vector<std::uint16_t>& index,
                     const float* original, std::byte* tile) {
   QKV_CHECK(index.size() == l.n_outliers);
+  const kernels::TileCodes codes = tile_codes(codec, l);
   auto* idx = reinterpret_cast<std::uint16_t*>(tile + l.outlier_offset);
   std::uint16_t* res = idx + l.n_outliers;
   for (std::size_t e = 0; e < index.size(); ++e) {
     const int j = index[e] / l.head_dim, c = index[e] % l.head_dim;
     idx[e] = index[e];
-    res[e] = fp32_to_fp16(original[index[e]] - dense_value(codec, l, tile, j, c));
+    res[e] = fp32_to_fp16(original[index[e]] - kernels::decode_element_ref(codes, tile, j, c));
   }
 }
 

@@ -163,6 +163,8 @@ const TileKernels& tile_kernels() noexcept;
 
 // The scalar references.
 void decode_tile_ref(const TileCodes& codes, const std::byte* tile, int n_rows, float* out);
+// Element (row j, channel c) of an integer-code tile, exactly as decode_tile_ref gives it.
+float decode_element_ref(const TileCodes& codes, const std::byte* tile, int j, int c);
 float scores_ref(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);
 void weighted_sum_ref(float* o, const float* p, const float* rows, int n_rows, int head_dim);
 float exp_sum_ref(float* x, int n, float max);
