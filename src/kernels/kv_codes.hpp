@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kv_params.hpp"
 #include "qkvshare/kernels/kv_tiles.hpp"
 #include "vec_codes.hpp"
 
@@ -17,6 +18,7 @@ constexpr int kCodeRowGroup = 8;   // rows whose codes are unpacked together (sc
 // arrays are padded to 8; first a multiple of 8).
 template <class V>
 void code_params(const TileCodes& t, const std::byte* tile, int first, int n, float* sf, float* mf) {
+  if (t.byte_params) return byte_params_f32(t, tile, first, n, sf, mf);
   const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset) + first;
   const auto* mins = scales + t.param_stride;
   for (int c = 0; c < n; c += 8) V::f16x8(scales + c, sf + c), V::f16x8(mins + c, mf + c);

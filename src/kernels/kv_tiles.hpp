@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "qkvshare/kernels/kv_tiles.hpp"
+#include "kv_params.hpp"
 #include "pq_rows.hpp"
 #include "vec_math.hpp"
 
@@ -34,7 +35,8 @@ void tile_decode_codes(const TileCodes& t, const std::byte* tile, int n_rows, fl
   };
   if (t.per_channel) {
     // The channel parameters once per tile, then one fma per vector of each row.
-    for (int c = 0; c < D; c += 8) V::f16x8(scales + c, sf + c), V::f16x8(mins + c, mf + c);
+    if (t.byte_params) byte_params_f32(t, tile, 0, D, sf, mf);
+    else for (int c = 0; c < D; c += 8) V::f16x8(scales + c, sf + c), V::f16x8(mins + c, mf + c);
     for (int j = 0; j < n_rows; ++j) channel_row(j);
     return;
   }
@@ -46,7 +48,8 @@ void tile_decode_codes(const TileCodes& t, const std::byte* tile, int n_rows, fl
   for (int j0 = 0; j0 < n_rows; j0 += rows_per_batch) {
     const int j1 = j0 + rows_per_batch < n_rows ? j0 + rows_per_batch : n_rows;
     const int p0 = j0 * groups, np = (j1 - j0) * groups;
-    for (int i = 0; i < np; i += 8) V::f16x8(scales + p0 + i, ps + i), V::f16x8(mins + p0 + i, pm + i);
+    if (t.byte_params) byte_params_f32(t, tile, p0, np, ps, pm);
+    else for (int i = 0; i < np; i += 8) V::f16x8(scales + p0 + i, ps + i), V::f16x8(mins + p0 + i, pm + i);
     for (int j = j0; j < j1; ++j) {
       const float* sg = ps + (j - j0) * groups;
       const float* mg = pm + (j - j0) * groups;

@@ -11,6 +11,7 @@
 #include "qkvshare/core/half.hpp"
 #include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kernels/ops.hpp"
+#include "kv_params.hpp"
 #include "pq_rows.hpp"
 
 namespace qkvshare::kernels {
@@ -24,19 +25,33 @@ int unpack_code(const std::byte* row, int i, int bits) {
   return static_cast<int>((word >> (k * bits)) & ((1u << bits) - 1u));
 }
 
-// Element c of a row of b-bit codes under (scale, min) pair p: fma, like the
+// Element c of a row of b-bit codes under pair p of the tile: fma, like the
 // SIMD levels, so that every level decodes to the same bits.
-inline float decode_code(const std::byte* row, int c, int bits, const std::uint16_t* scales, const std::uint16_t* mins,
-                         int p) {
-  return std::fma(static_cast<float>(unpack_code(row, c, bits)), fp16_to_fp32(scales[p]), fp16_to_fp32(mins[p]));
+inline float decode_code(const TileCodes& t, const std::byte* tile, const std::byte* row, int c, int p) {
+  float scale = 0.0f, min = 0.0f;
+  tile_param_ref(t, tile, p, scale, min);
+  return std::fma(static_cast<float>(unpack_code(row, c, t.bits)), scale, min);
 }
 
 }  // namespace
 
-float decode_element_ref(const TileCodes& t, const std::byte* tile, int j, int c) {
+void tile_param_ref(const TileCodes& t, const std::byte* tile, int p, float& scale, float& min) {
+  if (t.byte_params) {
+    const std::byte* params = tile + t.param_offset;
+    const detail::ByteParamGrid g = detail::byte_param_grid(params);
+    const auto* su = reinterpret_cast<const std::uint8_t*>(params + kByteParamHeader);
+    scale = detail::byte_scale(su[p], g.scale_bias);
+    min = detail::byte_min(su[t.param_stride + static_cast<std::size_t>(p)], g);
+    return;
+  }
   const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
+  scale = fp16_to_fp32(scales[p]);
+  min = fp16_to_fp32(scales[t.param_stride + static_cast<std::size_t>(p)]);
+}
+
+float decode_element_ref(const TileCodes& t, const std::byte* tile, int j, int c) {
   const int p = t.per_channel ? c : j * (t.head_dim / t.group) + c / t.group;
-  return decode_code(tile + static_cast<std::size_t>(j) * t.row_bytes, c, t.bits, scales, scales + t.param_stride, p);
+  return decode_code(t, tile, tile + static_cast<std::size_t>(j) * t.row_bytes, c, p);
 }
 
 void decode_tile_ref(const TileCodes& t, const std::byte* tile, int n_rows, float* out) {
@@ -55,14 +70,11 @@ void decode_tile_ref(const TileCodes& t, const std::byte* tile, int n_rows, floa
     decode_pq_rows(t, tile, n_rows, out);
     return;
   }
-  const int bits = t.bits;
-  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
-  const auto* mins = scales + t.param_stride;
   const int G = t.per_channel ? 1 : t.group, groups = t.per_channel ? 1 : D / G;
   for (int j = 0; j < n_rows; ++j) {
     const std::byte* row = tile + static_cast<std::size_t>(j) * t.row_bytes;
     for (int c = 0; c < D; ++c) {
-      out[static_cast<std::size_t>(j) * D + c] = decode_code(row, c, bits, scales, mins, t.per_channel ? c : j * groups + c / G);
+      out[static_cast<std::size_t>(j) * D + c] = decode_code(t, tile, row, c, t.per_channel ? c : j * groups + c / G);
     }
   }
 }
@@ -208,16 +220,15 @@ float centre_of(int bits) { return static_cast<float>(1 << (bits - 1)); }
 void query_codes_ref(const TileCodes& t, const std::byte* tile, const float* q, int nq, float score_scale,
                      void* qc, float* ab) {
   const int D = t.head_dim;
-  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
-  const auto* mins = scales + t.param_stride;
   std::vector<float> qs(static_cast<std::size_t>(D));
   for (int i = 0; i < nq; ++i) {
     const float* qi = q + static_cast<std::size_t>(i) * D;
     float bias = 0.0f;
     for (int c = 0; c < D; ++c) {
-      const float sc = fp16_to_fp32(scales[c]);
+      float sc = 0.0f, mn = 0.0f;
+      tile_param_ref(t, tile, c, sc, mn);
       qs[static_cast<std::size_t>(c)] = qi[c] * sc;
-      bias += qi[c] * std::fma(centre_of(t.bits), sc, fp16_to_fp32(mins[c]));
+      bias += qi[c] * std::fma(centre_of(t.bits), sc, mn);
     }
     const std::size_t at = static_cast<std::size_t>(i) * D;
     const int qmax = query_code_max(t.bits, D);
@@ -260,8 +271,6 @@ void code_scores_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, 
 void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, const float* p, std::size_t p_stride,
                   int nq, float* o) {
   const int D = t.head_dim, G = t.group, groups = D / G;
-  const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
-  const auto* mins = scales + t.param_stride;
   std::vector<float> w(kCodeWindow);
   std::vector<std::int16_t> w16(kCodeWindow);
   if (hi <= lo) return;
@@ -274,10 +283,10 @@ void code_sum_ref(const TileCodes& t, const std::byte* tile, int lo, int hi, con
         float bias = 0.0f;
         std::fill(w.begin(), w.end(), 0.0f);
         for (int j = ja; j < j1; ++j) {
-          const std::size_t pj = static_cast<std::size_t>(j * groups + g);
-          const float sc = fp16_to_fp32(scales[pj]);
+          float sc = 0.0f, mn = 0.0f;
+          tile_param_ref(t, tile, j * groups + g, sc, mn);
           w[static_cast<std::size_t>(j - j0)] = pi[j] * sc;
-          bias += pi[j] * std::fma(centre_of(t.bits), sc, fp16_to_fp32(mins[pj]));
+          bias += pi[j] * std::fma(centre_of(t.bits), sc, mn);
         }
         const float step = round_codes_ref(w.data(), kCodeWindow, value_weight_max(t.bits), w16.data());
         for (int c = g * G; c < (g + 1) * G; ++c) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kernels/kv_tiles.hpp"
 #include "qkvshare/kv/kv_codebook.hpp"
 
 namespace qkvshare {
@@ -119,20 +120,23 @@ int KvCodec::bits() const noexcept {
 
 std::uint32_t KvCodec::pack() const noexcept {
   // The axis byte's upper seven bits carry the outliers (codecs written before
-  // them read as none).
-  return static_cast<std::uint32_t>(type) |
+  // them read as none); the type byte's top bit byte parameters (builds
+  // before them reject the codec as an unknown type rather than misread it).
+  return static_cast<std::uint32_t>(type) | (byte_params ? 0x80u : 0u) |
          ((static_cast<std::uint32_t>(axis) | (static_cast<std::uint32_t>(outliers) << 1)) << 8) |
          (static_cast<std::uint32_t>(group) << 16);
 }
 
 KvCodec KvCodec::unpack(std::uint32_t packed) {
-  const std::uint32_t t = packed & 0xffu, a = (packed >> 8) & 1u, o = (packed >> 9) & 0x7fu;
+  const std::uint32_t t = packed & 0x7fu, a = (packed >> 8) & 1u, o = (packed >> 9) & 0x7fu;
   if (t > static_cast<std::uint32_t>(KvType::pq))
     fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: unknown type {} or axis {}", packed, t, a);
   KvCodec c{static_cast<KvType>(t), static_cast<KvAxis>(a), static_cast<std::uint16_t>(packed >> 16),
-            static_cast<std::uint8_t>(o)};
+            static_cast<std::uint8_t>(o), (packed & 0x80u) != 0};
   if (c.outliers != 0 && !c.scaled())
     fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: only integer codecs keep outliers", packed);
+  if (c.byte_params && !c.scaled())
+    fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: only integer codecs have byte parameters", packed);
   if (c.pq() && (c.axis != KvAxis::token || (c.group != 2 && c.group != 4 && c.group != 8)))
     fail(ErrorCode::invalid_argument, "KV codec 0x{:08x}: pq takes sub-vectors of 2, 4 or 8 channels", packed);
   if (!c.quantized() && (c.axis != KvAxis::token || c.group != 0))
@@ -169,7 +173,10 @@ TileLayout tile_layout(const KvCodec& c, int block_tokens, int head_dim) {
     }
     // Rounded to 8 pairs so the SIMD decoders convert them 8 at a time in bounds.
     t.param_stride = round_up(t.n_params, 8);
-    t.param_bytes = t.param_stride * 4;
+    t.byte_params = c.byte_params;
+    t.param_bytes = c.byte_params ? kernels::kByteParamHeader + t.param_stride * 2 : t.param_stride * 4;
+  } else if (c.byte_params) {
+    fail(ErrorCode::invalid_argument, "KV codec: only integer codecs have byte parameters");
   }
   t.outlier_offset = t.param_offset + t.param_bytes;
   if (c.outliers != 0) {
@@ -211,6 +218,7 @@ KvFormat KvFormat::parse(std::string_view text) {
   parse_name(name, whole, f.k, f.v);
   bool has_lo = false, has_top = false;
   int k_outliers = 0, v_outliers = 0;  // tenths of a percent, applied to the integer codecs at the end
+  bool byte_params = false;            // likewise
   std::vector<std::string_view> keys;  // an option given twice would silently lose its first value
   for (std::size_t i = first_option; i < parts.size(); ++i) {
     const std::string_view p = parts[i];
@@ -288,6 +296,11 @@ KvFormat KvFormat::parse(std::string_view text) {
       const int tenths_int = static_cast<int>(std::lround(tenths));
       if (key != "voutliers") k_outliers = tenths_int;
       if (key != "koutliers") v_outliers = tenths_int;
+    } else if (key == "params") {
+      if (val != "8" && val != "16")
+        fail(ErrorCode::invalid_argument, "KV format '{}': params must be 8 (one-byte scales and mins) or 16 (f16), "
+             "got '{}'", whole, val);
+      byte_params = val == "8";
     } else if (key == "top" || key == "budget") {
       const std::string v(val);
       char* end = nullptr;
@@ -299,7 +312,7 @@ KvFormat KvFormat::parse(std::string_view text) {
       has_top = has_top || key == "top";
     } else {
       fail(ErrorCode::invalid_argument,
-           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, keys, lo, top, budget, rank, positions, outliers, koutliers, voutliers, book)",
+           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, keys, lo, top, budget, rank, positions, outliers, koutliers, voutliers, params, book)",
            whole, key);
     }
   }
@@ -324,6 +337,12 @@ KvFormat KvFormat::parse(std::string_view text) {
   }
   if ((k_outliers != 0 || v_outliers != 0) && f.k.outliers == 0 && f.v.outliers == 0)
     fail(ErrorCode::invalid_argument, "KV format '{}': outliers needs integer codes (int8 .. int2)", whole);
+  if (byte_params) {
+    bool any = false;
+    for (KvCodec* c : {&f.k, &f.v, &f.lo_k, &f.lo_v})
+      if (c->scaled() && (c == &f.k || c == &f.v || has_lo)) c->byte_params = true, any = true;
+    if (!any) fail(ErrorCode::invalid_argument, "KV format '{}': params=8 needs integer codes (int8 .. int2)", whole);
+  }
   if (f.uses_pq() && f.book_path.empty())
     fail(ErrorCode::invalid_argument, "KV format '{}': pq needs book=FILE (a codebook of qkvshare calibrate)", whole);
   if (!f.uses_pq() && !f.book_path.empty())
@@ -390,6 +409,7 @@ std::string KvFormat::to_string() const {
     if (ko != 0) s += fmt::format(":koutliers={}", ko / 1000.0);
     if (vo != 0) s += fmt::format(":voutliers={}", vo / 1000.0);
   }
+  if (k.byte_params || v.byte_params || lo_k.byte_params || lo_v.byte_params) s += ":params=8";
   if (!book_path.empty()) s += ":book=" + book_path;
   return s;
 }

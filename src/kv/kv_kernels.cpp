@@ -141,36 +141,92 @@ CodebookSlice codebook_slice(const KvFormat& f, const KvCodec& c, int kind, int 
 
 namespace {
 
+// Byte parameters (kernels/kv_tiles.hpp): the tile's grid from its f16
+// pairs, each pair moved onto it so that the codes still reach both ends of
+// the range the fit chose for its series (the min rounded down, the scale
+// up); `sc`, `mn` get the decoded pairs the codes are then made with.
+void store_byte_params(const TileLayout& l, int qmax, const std::uint16_t* s16, const std::uint16_t* m16,
+                       std::byte* tile, float* sc, float* mn) {
+  const std::size_t n = l.n_params;
+  const auto finite_or_0 = [](float x) { return std::isfinite(x) ? x : 0.0f; };
+  float lo = std::numeric_limits<float>::infinity(), hi = -lo, smax = 0.0f;
+  for (std::size_t p = 0; p < n; ++p) {
+    const float m = finite_or_0(fp16_to_fp32(m16[p])), s = finite_or_0(fp16_to_fp32(s16[p]));
+    lo = std::min(lo, m), hi = std::max(hi, m), smax = std::max(smax, s);
+  }
+  if (n == 0) lo = hi = 0.0f;
+  float step = (hi - lo) / 255.0f;
+  if (!std::isfinite(step)) step = 0.0f;
+  while (step > 0.0f && std::fma(255.0f, step, lo) < hi) step = std::nextafter(step, std::numeric_limits<float>::infinity());
+  // The top octave holds the largest scale: exp + 15 = floor(log2(smax));
+  // f16 scales are 0 or within [2^-24, 2^16), so exp stays within [-39, 0].
+  int e = -39;
+  if (smax > 0.0f) {
+    int top = 0;
+    std::frexp(smax, &top);
+    e = std::clamp(top - 1 - 15, -39, 0);
+  }
+  std::byte* params = tile + l.param_offset;
+  const std::int16_t e16 = static_cast<std::int16_t>(e);
+  std::memcpy(params, &lo, 4);
+  std::memcpy(params + 4, &step, 4);
+  std::memcpy(params + 8, &e16, 2);
+  std::memset(params + 10, 0, 2);
+  const std::uint32_t bias = static_cast<std::uint32_t>(e + 127) << 23;
+  const auto scale_of = [&](std::uint32_t u) {  // as kernels/kv_tiles.hpp decodes it: byte 0 is 0
+    const std::uint32_t b = u == 0 ? 0u : (u << 19) + bias;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  };
+  auto* su = reinterpret_cast<std::uint8_t*>(params + kernels::kByteParamHeader);
+  auto* mu = su + l.param_stride;
+  for (std::size_t p = 0; p < n; ++p) {
+    const float m = finite_or_0(fp16_to_fp32(m16[p])), s = finite_or_0(fp16_to_fp32(s16[p]));
+    const float top = std::fma(static_cast<float>(qmax), s, m);
+    const float f = step > 0.0f ? (m - lo) / step : 0.0f;
+    std::uint32_t um = !(f > 0.0f) ? 0u : f >= 255.0f ? 255u : static_cast<std::uint32_t>(f);
+    while (um > 0 && std::fma(static_cast<float>(um), step, lo) > m) --um;
+    const float min_q = std::fma(static_cast<float>(um), step, lo);
+    const float need = std::max((top - min_q) / static_cast<float>(qmax), 0.0f);
+    std::uint32_t us = 0;
+    if (need > 0.0f) {  // the smallest level at or above it (rounded up from its f32 bits)
+      std::uint32_t nb;
+      std::memcpy(&nb, &need, 4);
+      us = nb <= bias ? 1u : std::clamp<std::uint32_t>((nb - bias + (1u << 19) - 1) >> 19, 1u, 255u);
+      while (us < 255 && scale_of(us) < need) ++us;
+    }
+    su[p] = static_cast<std::uint8_t>(us);
+    mu[p] = static_cast<std::uint8_t>(um);
+    sc[p] = scale_of(us);
+    mn[p] = min_q;
+  }
+}
+
 // The dense codes, scales and mins of an integer tile.
 void encode_scaled_tile(const KvCodec& codec, const TileLayout& l, const float* rows, std::byte* tile) {
   const int T = l.tokens, D = l.head_dim;
   const int bits = codec.bits(), qmax = (1 << bits) - 1;
-  std::uint16_t* scales = scales_of(l, tile);
-  std::uint16_t* mins = mins_of(l, tile);
+  // The pairs in f16 (in place, or staged for byte parameters), then as the
+  // decoders will see them.
+  thread_local std::vector<std::uint16_t> staged;
+  thread_local std::vector<float> sc, mn;
+  if (l.byte_params) staged.assign(2 * l.param_stride, 0);
+  std::uint16_t* scales = l.byte_params ? staged.data() : scales_of(l, tile);
+  std::uint16_t* mins = l.byte_params ? staged.data() + l.param_stride : mins_of(l, tile);
   std::uint8_t codes[4096];
   QKV_CHECK(D <= 4096);
+  const int G = codec.axis == KvAxis::channel ? 1 : effective_group(codec, D), groups = D / G;
   if (codec.axis == KvAxis::channel) {  // the series are the channels
     fit_series(rows, T, D, D, qmax, scales, mins, 1);
-    float inv[4096], mn[4096];
-    for (int c = 0; c < D; ++c) {
-      inv[c] = inverse(fp16_to_fp32(scales[c]));
-      mn[c] = fp16_to_fp32(mins[c]);
-    }
-    for (int j = 0; j < T; ++j) {
-      for (int c = 0; c < D; ++c) codes[c] = quantize_one(rows[j * D + c], inv[c], mn[c], qmax);
-      pack_row(codes, D, bits, tile + static_cast<std::size_t>(j) * l.row_bytes);
-    }
-    return;
-  }
-  // Per token: the series are the rows' groups, one group of every row at a
-  // time, transposed so that the rows lie side by side.
-  const int G = effective_group(codec, D), groups = D / G;
-  if (qmax >= 255) {  // the full range of each group: no search, nothing to transpose
+  } else if (qmax >= 255) {  // per token, the full range of each group: no search, nothing to transpose
     for (int j = 0; j < T; ++j)
       for (int g = 0; g < groups; ++g)
         fit_series(rows + static_cast<std::size_t>(j) * D + g * G, G, 1, 1, qmax, scales + j * groups + g,
                    mins + j * groups + g, 1);
   } else {
+    // Per token: the series are the rows' groups, one group of every row at
+    // a time, transposed so that the rows lie side by side.
     std::vector<float> cols(static_cast<std::size_t>(G) * T);
     for (int g = 0; g < groups; ++g) {
       for (int j = 0; j < T; ++j)
@@ -179,12 +235,22 @@ void encode_scaled_tile(const KvCodec& codec, const TileLayout& l, const float* 
       fit_series(cols.data(), G, T, T, qmax, scales + g, mins + g, groups);
     }
   }
+  sc.resize(l.n_params), mn.resize(l.n_params);
+  if (l.byte_params) {
+    store_byte_params(l, qmax, scales, mins, tile, sc.data(), mn.data());
+  } else {
+    for (std::size_t p = 0; p < l.n_params; ++p) sc[p] = fp16_to_fp32(scales[p]), mn[p] = fp16_to_fp32(mins[p]);
+  }
+  for (float& s : sc) s = inverse(s);  // from here on, sc holds 1 / scale
   for (int j = 0; j < T; ++j) {
     const float* x = rows + static_cast<std::size_t>(j) * D;
-    for (int g = 0; g < groups; ++g) {
-      const std::size_t p = static_cast<std::size_t>(j * groups + g);
-      const float inv = inverse(fp16_to_fp32(scales[p])), m = fp16_to_fp32(mins[p]);
-      for (int c = 0; c < G; ++c) codes[g * G + c] = quantize_one(x[g * G + c], inv, m, qmax);
+    if (codec.axis == KvAxis::channel) {
+      for (int c = 0; c < D; ++c) codes[c] = quantize_one(x[c], sc[static_cast<std::size_t>(c)], mn[static_cast<std::size_t>(c)], qmax);
+    } else {
+      for (int g = 0; g < groups; ++g) {
+        const std::size_t p = static_cast<std::size_t>(j * groups + g);
+        for (int c = 0; c < G; ++c) codes[g * G + c] = quantize_one(x[g * G + c], sc[p], mn[p], qmax);
+      }
     }
     pack_row(codes, D, bits, tile + static_cast<std::size_t>(j) * l.row_bytes);
   }
@@ -232,6 +298,7 @@ kernels::TileCodes tile_codes(const KvCodec& codec, const TileLayout& l, Codeboo
   t.row_bytes = l.row_bytes;
   t.param_offset = l.param_offset;
   t.param_stride = l.param_stride;
+  t.byte_params = l.byte_params;
   return t;
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "qkvshare/core/error.hpp"
+#include "qkvshare/kernels/kv_tiles.hpp"
 #include "le_bytes.hpp"
 
 namespace qkvshare {
@@ -57,8 +58,8 @@ void copy_elements(const void* src, void* dst, std::size_t count) {
   }
 }
 
-// Moves one tile: rows (f32 / f16 elements, or byte codes), then the f16
-// (scale, min) parameters and the outliers' u16 indices and f16 residuals;
+// Moves one tile: rows (f32 / f16 elements, or byte codes), then the
+// (scale, min) parameters (f16, or a grid and bytes) and the outliers' u16 indices and f16 residuals;
 // everything else is zero.
 void convert_tile(const KvCodec& c, int block_tokens, int head_dim, int rows, const void* src, void* dst) {
   const TileLayout l = tile_layout(c, block_tokens, head_dim);
@@ -72,8 +73,16 @@ void convert_tile(const KvCodec& c, int block_tokens, int head_dim, int rows, co
   if (c.quantized()) {
     const auto* s = static_cast<const std::uint8_t*>(src) + l.param_offset;
     auto* d = static_cast<std::uint8_t*>(dst) + l.param_offset;
-    copy_elements<std::uint16_t>(s, d, l.n_params);                                         // scales
-    copy_elements<std::uint16_t>(s + l.param_stride * 2, d + l.param_stride * 2, l.n_params);  // mins
+    if (l.byte_params) {  // the grid (f32 min_lo, f32 min_step, i16 exponent), then byte scales and mins
+      copy_elements<std::uint32_t>(s, d, 2);
+      copy_elements<std::uint16_t>(s + 8, d + 8, 1);
+      std::memcpy(d + kernels::kByteParamHeader, s + kernels::kByteParamHeader, l.n_params);
+      std::memcpy(d + kernels::kByteParamHeader + l.param_stride, s + kernels::kByteParamHeader + l.param_stride,
+                  l.n_params);
+    } else {
+      copy_elements<std::uint16_t>(s, d, l.n_params);                                         // scales
+      copy_elements<std::uint16_t>(s + l.param_stride * 2, d + l.param_stride * 2, l.n_params);  // mins
+    }
     copy_elements<std::uint16_t>(static_cast<const std::uint8_t*>(src) + l.outlier_offset,
                                  static_cast<std::uint8_t*>(dst) + l.outlier_offset, 2 * l.n_outliers);  // outliers
   }

@@ -109,6 +109,8 @@ expect_error "--kv: empty item in 'int4,,int8'" splice-eval -m "$S" -t "$T" --so
 expect_error "--fractions: empty item in '0.1,'" splice-eval -m "$S" -t "$T" --source "$SRC" --fractions 0.1,
 expect_error "outliers must be a share from 0.001 to 0.127" eval -m "$S" -t "$T" --text "$SRC" --kv int2:outliers=0.5 --ctx 64 --max-tokens 64
 expect_error "outliers needs integer codes" eval -m "$S" -t "$T" --text "$SRC" --kv f16:outliers=0.01 --ctx 64 --max-tokens 64
+expect_error "params must be 8 (one-byte scales and mins) or 16" eval -m "$S" -t "$T" --text "$SRC" --kv int4:params=4 --ctx 64 --max-tokens 64
+expect_error "params=8 needs integer codes" eval -m "$S" -t "$T" --text "$SRC" --kv f16:params=8 --ctx 64 --max-tokens 64
 expect_error "--kv: the list is empty" splice-eval -m "$S" -t "$T" --source "$SRC" --kv ""
 expect_error "nothing to measure" bench -m "$S" -t "$T" -n 4 -r 1 --batch 2 -d 1000
 expect_error "nothing was measured" bench -m "$S" -t "$T" -n 4 -p 0 -r 1 -d 1000

@@ -145,5 +145,27 @@ TEST(KvEval, OutliersLowerInt2KlOnStories) {
   EXPECT_NEAR(sparse.bits_per_element - plain.bits_per_element, 6.0 * 32 / 256, 1e-9);
 }
 
+// One-byte (scale, min) pairs on a real model: fewer bits than the f16 pairs,
+// counted exactly, for a small share of extra KL (the grid is coarser).
+TEST(KvEval, ByteParamsCostLittleKlOnStories) {
+  auto model = Model::load(testing::shared_path("models/stories260K.bin"), testing::shared_path("models/tok512.bin"));
+  const auto tokens = model->tokenizer().encode(slurp(testing::shared_path("data/tinystories-valid-sample.txt")));
+  Engine engine(*model, EngineOptions{2});
+  const std::vector<KvFormat> formats{KvFormat::parse("int4"), KvFormat::parse("int4:params=8")};
+  EvalOptions o;
+  o.ctx = 256;
+  o.max_scored = 512;
+  o.protocol = EvalProtocol::handoff;
+  o.chunk = 32;
+  const EvalReport r = evaluate_kv(engine, tokens, formats, o);
+  ASSERT_EQ(r.results.size(), 3u);
+  const EvalFormatResult &f16_pairs = r.results[1], &byte_pairs = r.results[2];
+  // head_dim 8, 32-token blocks: keys 8 pairs (32 -> 12 + 16 bytes), values one
+  // pair per row (128 -> 12 + 64 bytes), over 2 x 256 elements.
+  EXPECT_NEAR(f16_pairs.bits_per_element - byte_pairs.bits_per_element, (160.0 - 104.0) * 8 / 512, 1e-9);
+  EXPECT_GT(byte_pairs.mean_kl, 0.0);
+  EXPECT_LT(byte_pairs.mean_kl, 1.5 * f16_pairs.mean_kl);
+}
+
 }  // namespace
 }  // namespace qkvshare

@@ -33,7 +33,8 @@ TEST(KvFormat, ToStringRoundTrips) {
                            "k8v4:window=64:sink=32:lo=k4v2:top=0.35", "f16:budget=0.5",
                            "int8:window=128:sink=32:lo=int2:top=0.2:budget=0.6", "f16:budget=0.5:rank=recent",
                            "int4:budget=0.25:positions=close", "int4:keys=pre", "k8v4:rot=v:keys=pre:lo=int2:top=0.5", "int2:window=64:keys=block",
-                           "int2:vgroup=64:outliers=0.01", "k8v4:lo=int2:top=0.2:outliers=0.005", "k16v3:outliers=0.127"}) {
+                           "int2:vgroup=64:outliers=0.01", "k8v4:lo=int2:top=0.2:outliers=0.005", "k16v3:outliers=0.127",
+                           "int4:vgroup=64:params=8", "int3:vgroup=64:koutliers=0.02:params=8", "k8v4:lo=int2:top=0.2:params=8"}) {
     const KvFormat f = KvFormat::parse(text);
     EXPECT_EQ(f.to_string(), text);
     EXPECT_EQ(KvFormat::parse(f.to_string()), f) << text;
@@ -81,6 +82,8 @@ TEST(KvFormat, BadTextNamesThePart) {
   EXPECT_NE(message("int4:keys=block:rot=k").find("keys=block does not combine with rotated keys"), std::string::npos);
   EXPECT_NE(message("int4:keys=pre:rot=kv").find("keys=pre does not combine with rotated keys"), std::string::npos);
   EXPECT_NE(message("int8:budget=0.5:rank=oldest").find("rank must be attention or recent"), std::string::npos);
+  EXPECT_NE(message("int4:params=4").find("params must be 8 (one-byte scales and mins) or 16"), std::string::npos);
+  EXPECT_NE(message("f16:params=8").find("params=8 needs integer codes"), std::string::npos);
 }
 
 // Mixed precision: `mixed:hi=` names the same format; its bytes lie between
@@ -120,6 +123,12 @@ TEST(KvFormat, CodecPacksAndRejectsGarbage) {
   EXPECT_EQ(KvCodec::unpack(c.pack()), c);
   EXPECT_THROW(KvCodec::unpack(0x99), Error);
   EXPECT_THROW(KvCodec::unpack(0x0100), Error);  // f32 with a channel axis
+  const KvCodec b{KvType::q2, KvAxis::channel, 0, 3, true};
+  EXPECT_EQ(KvCodec::unpack(b.pack()), b);
+  EXPECT_EQ(b.pack() & 0xffu, 0x85u);  // the type byte's top bit
+  EXPECT_THROW(KvCodec::unpack(0x81), Error);  // f16 with byte parameters
+  EXPECT_EQ(KvFormat::parse("k8v4:lo=int2:top=0.2:params=8").lo_v.byte_params, true);
+  EXPECT_EQ(KvFormat::parse("k16v4:params=8").k.byte_params, false);  // f16 keys have no parameters
 }
 
 TEST(KvFormat, TileBytesAndBitsPerElement) {
@@ -135,6 +144,13 @@ TEST(KvFormat, TileBytesAndBitsPerElement) {
   EXPECT_DOUBLE_EQ(KvFormat::parse("int4").cold_bits(32, 64), 5.0);  // 4 + (0.5 + 1.0 + 0.5... averaged)
   EXPECT_DOUBLE_EQ(KvFormat::parse("int8").cold_bits(32, 64), (9.0 + 8.5) / 2);
   EXPECT_THROW(tile_layout(KvCodec::f16(), 32, 12), Error);  // head_dim must be a multiple of 8
+  // Byte parameters: a 12-byte grid, then one byte per scale and per min.
+  const TileLayout kb = tile_layout(KvFormat::parse("int4:params=8").k, 32, 64);
+  EXPECT_EQ(kb.param_bytes, 12u + 64u * 2u);
+  const TileLayout vb = tile_layout(KvFormat::parse("int4:vgroup=64:params=8").v, 32, 64);
+  EXPECT_EQ(vb.param_bytes, 12u + 32u * 2u);
+  EXPECT_EQ(vb.outlier_offset % 4, 0u);
+  EXPECT_DOUBLE_EQ(KvFormat::parse("int4:vgroup=64:params=8").cold_bits(32, 64), 4.0 + (140.0 + 76.0) * 8 / (2 * 2048));
 }
 
 TEST(KvFormat, HotBlocks) {

@@ -17,7 +17,8 @@ namespace {
 
 const char* const kFormats[] = {"f32", "f16", "int8", "int8:kaxis=token", "int4", "int3", "int2",
                                 "int4:kaxis=token:kgroup=8", "int2:vgroup=16", "int4:vgroup=64", "int3:vgroup=24",
-                                "int2:vgroup=8"};
+                                "int2:vgroup=8", "int8:params=8", "int4:params=8", "int3:vgroup=24:params=8",
+                                "int2:vgroup=16:params=8", "int4:kaxis=token:kgroup=8:params=8"};
 
 // Rows like real keys: mostly small, one outlier channel (docs/design.md).
 std::vector<float> sample_rows(int tokens, int dim, unsigned seed) {
@@ -57,8 +58,7 @@ TEST(KvQuant, RoundTripIsTheNearestGridPoint) {
     kv::encode_tile(cs.codec, l, x.data(), tile.data());
     std::vector<float> y(x.size());
     kv::decode_tile_scalar(cs.codec, l, tile.data(), cs.tokens, y.data());
-    const auto* scales = reinterpret_cast<const std::uint16_t*>(tile.data() + l.param_offset);
-    const auto* mins = scales + l.param_stride;
+    const kernels::TileCodes codes = kv::tile_codes(cs.codec, l);
     const int qmax = cs.codec.quantized() ? (1 << cs.codec.bits()) - 1 : 0;
     double sq = 0.0, ref = 0.0;
     for (int j = 0; j < cs.tokens; ++j)
@@ -66,8 +66,8 @@ TEST(KvQuant, RoundTripIsTheNearestGridPoint) {
         const std::size_t i = static_cast<std::size_t>(j) * cs.dim + c;
         sq += (x[i] - y[i]) * (x[i] - y[i]);
         ref += x[i] * x[i];
-        const std::string where = fmt::format("{} bits axis {} t={} d={} j={} c={}", cs.codec.bits(),
-                                              static_cast<int>(cs.codec.axis), cs.tokens, cs.dim, j, c);
+        const std::string where = fmt::format("{} bits axis {} byte params {} t={} d={} j={} c={}", cs.codec.bits(),
+                                              static_cast<int>(cs.codec.axis), cs.codec.byte_params, cs.tokens, cs.dim, j, c);
         if (cs.codec.type == KvType::f32) {
           ASSERT_EQ(x[i], y[i]) << where;
           continue;
@@ -79,7 +79,8 @@ TEST(KvQuant, RoundTripIsTheNearestGridPoint) {
         const int g = effective_group(cs.codec, cs.dim);
         const std::size_t p = cs.codec.axis == KvAxis::channel ? static_cast<std::size_t>(c)
                                                                : static_cast<std::size_t>(j * (cs.dim / g) + c / g);
-        const float s = fp16_to_fp32(scales[p]), m = fp16_to_fp32(mins[p]);
+        float s = 0.0f, m = 0.0f;
+        kernels::tile_param_ref(codes, tile.data(), static_cast<int>(p), s, m);
         float nearest = 1e30f;
         for (int k = 0; k <= qmax; ++k) nearest = std::min(nearest, std::abs(x[i] - std::fma(static_cast<float>(k), s, m)));
         ASSERT_LE(std::abs(x[i] - y[i]), nearest + 1e-5f * (std::abs(x[i]) + s)) << where;

@@ -19,7 +19,8 @@ using testing::run_pass;
 
 const char* const kAllFormats[] = {"f32", "f16", "int8", "int8:kaxis=token", "k8v4", "int4", "int3", "int2",
                                    "int2:window=20:sink=3", "int4:rot=kv", "int3:rot=k", "k4v2:vgroup=8",
-                                   "int4:kaxis=token:kgroup=8:window=9", "k4v2:outliers=0.02"};
+                                   "int4:kaxis=token:kgroup=8:window=9", "k4v2:outliers=0.02",
+                                   "int3:vgroup=16:koutliers=0.01:params=8"};
 
 double rel_rms(const std::vector<float>& a, const std::vector<float>& ref) {
   double e = 0.0, r = 0.0;

@@ -86,7 +86,8 @@ class ContextFile : public ::testing::Test {
 TEST_F(ContextFile, ImportedContextContinuesBitIdenticallyInAnotherPoolForEveryFormat) {
   const KeyCipher key = test_key(1);
   for (const char* format : {"f32", "f16", "int8", "int4", "int3", "k8v4", "int2:window=32:sink=4", "int4:rot=kv",
-                             "int4:keys=pre", "k8v4:rot=v:keys=pre", "int4:keys=block", "int2:outliers=0.02"}) {
+                             "int4:keys=pre", "k8v4:rot=v:keys=pre", "int4:keys=block", "int2:outliers=0.02",
+                             "int4:vgroup=64:outliers=0.01:params=8"}) {
     for (const BlockCipher* cipher : {static_cast<const BlockCipher*>(nullptr), static_cast<const BlockCipher*>(&key)}) {
       SCOPED_TRACE(std::string(format) + (cipher ? " encrypted" : " plain"));
       std::unique_ptr<Session> producer;

@@ -22,7 +22,17 @@ namespace qkvshare::kernels {
 // halves later, f16 mins: x = code * scale + min. The (scale, min) pairs are
 // per channel, or per row in groups of `group` channels (a multiple of 8).
 // head_dim is a multiple of 8, at most kTileMaxHeadDim.
+// With byte_params the pairs are one byte each instead, on a grid the tile
+// sets (as k-quants keep 6-bit scales under an f16 one): at param_offset a
+// 12-byte header (f32 min_lo, f32 min_step, i16 scale exponent, 2 bytes of
+// zero), then param_stride scale bytes, then param_stride min bytes:
+//   scale = 2^(exp + (u >> 4)) * (1 + (u & 15) / 16)  (f32 bits (u << 19) + ((exp + 127) << 23)),
+//           and 0 for u = 0,
+//   min   = fma(u, min_step, min_lo).
+// Both decode exactly the same on every level; the encoder codes against the
+// decoded values, so the bytes lose nothing beyond the coarser grid.
 inline constexpr int kTileMaxHeadDim = 1024;  // the SIMD bodies' scratch
+inline constexpr std::size_t kByteParamHeader = 12;
 
 struct TileCodes {
   int bits = 32;  // 32: f32 rows, 16: f16 rows, else codes (pq: 8 / pq_sub)
@@ -32,6 +42,7 @@ struct TileCodes {
   std::size_t row_bytes = 0;
   std::size_t param_offset = 0;
   std::size_t param_stride = 0;
+  bool byte_params = false;  // one-byte (scale, min) pairs after a 12-byte header
   // Product quantization (kv_pq.hpp): row j is head_dim / pq_sub byte indices
   // into the centroids of its sub-spaces, [spaces][256][pq_sub] (and
   // transposed, [spaces][pq_sub][256]); no parameters.
@@ -165,6 +176,8 @@ const TileKernels& tile_kernels() noexcept;
 void decode_tile_ref(const TileCodes& codes, const std::byte* tile, int n_rows, float* out);
 // Element (row j, channel c) of an integer-code tile, exactly as decode_tile_ref gives it.
 float decode_element_ref(const TileCodes& codes, const std::byte* tile, int j, int c);
+// (scale, min) pair p of an integer-code tile as f32, exactly as every level decodes it.
+void tile_param_ref(const TileCodes& codes, const std::byte* tile, int p, float& scale, float& min);
 float scores_ref(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);
 void weighted_sum_ref(float* o, const float* p, const float* rows, int n_rows, int head_dim);
 float exp_sum_ref(float* x, int n, float max);

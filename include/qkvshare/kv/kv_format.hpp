@@ -22,7 +22,8 @@
 // (`outliers`: KVQuant's dense-and-sparse split): the elements whose removal
 // narrows their series' (scale, min) range the most are taken out before the
 // range is fitted, and stored after the parameters as (element index, f16
-// residual) pairs that readers add to the dense codes' values.
+// residual) pairs that readers add to the dense codes' values, and may store
+// its (scale, min) pairs in one byte each (`params=8`).
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -55,6 +56,10 @@ struct KvCodec {
   // codecs only; 0: none, at most kMaxOutliers).
   std::uint8_t outliers = 0;
   static constexpr int kMaxOutliers = 127;
+  // Integer codecs: (scale, min) pairs in one byte each on a grid the tile
+  // sets (kernels/kv_tiles.hpp) instead of f16: half the parameter bits
+  // (keys per channel over 32 tokens: 1 -> 0.53 bits per element).
+  bool byte_params = false;
 
   bool quantized() const noexcept { return type != KvType::f32 && type != KvType::f16; }
   bool pq() const noexcept { return type == KvType::pq; }
@@ -92,7 +97,8 @@ struct TileLayout {
   std::size_t row_bytes = 0;    // one row of values or codes
   std::size_t code_bytes = 0;   // tokens * row_bytes
   std::size_t param_offset = 0; // code_bytes rounded up to 4
-  std::size_t param_bytes = 0;  // (scale, min) f16 pairs: scales first, then mins
+  std::size_t param_bytes = 0;  // (scale, min) pairs: scales first, then mins (f16, or a header and bytes)
+  bool byte_params = false;
   std::size_t n_params = 0;     // number of (scale, min) pairs
   std::size_t param_stride = 0; // n_params rounded up to 8: mins start this many halves after scales
   std::size_t outlier_offset = 0;  // after the parameters: n_outliers u16 element indices, then their f16 residuals

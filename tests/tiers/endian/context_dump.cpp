@@ -44,6 +44,19 @@ TileSums sums_of(const KvCodec& c, int T, int D, const std::byte* tile) {
     }
   } else {
     for (std::size_t i = 0; i < l.code_bytes; ++i) s.codes += static_cast<std::uint8_t>(tile[i]);
+    if (l.byte_params) {  // the grid (f32 min_lo, f32 min_step, i16 exponent), then byte scales and mins
+      float lo, step;
+      std::int16_t e;
+      std::memcpy(&lo, tile + l.param_offset, 4);
+      std::memcpy(&step, tile + l.param_offset + 4, 4);
+      std::memcpy(&e, tile + l.param_offset + 8, 2);
+      const std::byte* bytes = tile + l.param_offset + 12;
+      for (std::size_t i = 0; i < l.n_params; ++i) {
+        s.scales += static_cast<double>(static_cast<std::uint8_t>(bytes[i])) * 0x1p-16 + e;
+        s.mins += static_cast<double>(lo) + static_cast<double>(step) * static_cast<std::uint8_t>(bytes[l.param_stride + i]);
+      }
+      return s;
+    }
     for (std::size_t i = 0; i < l.n_params; ++i) {
       std::uint16_t h;
       std::memcpy(&h, tile + l.param_offset + 2 * i, 2);
