@@ -256,8 +256,9 @@ TEST(ContextVectors, CommittedFilesImportAndOpen) {
   const ModelFingerprint fp = model_fingerprint(*model);
   Engine engine(*model, EngineOptions{1});
   auto pool = SharePool::create_anonymous(testing::small_config());
-  // Version 1 files, and a version 2 file of keys stored before RoPE (its blocks name their key positions).
-  for (const char* name : {"f32", "f16", "k8v4", "int3", "int4_rot_kv", "int4_keys_pre"}) {
+  // Version 1 files, a version 2 file of keys stored before RoPE (its blocks name their key positions),
+  // and one of byte parameters with key outliers (int4:vgroup=8:koutliers=0.02:params=8).
+  for (const char* name : {"f32", "f16", "k8v4", "int3", "int4_rot_kv", "int4_keys_pre", "int4_params8"}) {
     SCOPED_TRACE(name);
     const MappedFile file(testing::source_path(std::string("tests/data/contexts/") + name + ".qkvctx"));
     const ContextReader reader(file.bytes(), name);
