@@ -14,7 +14,7 @@ namespace {
 
 struct ByteParamGrid {
   float min_lo, min_step;
-  std::uint32_t scale_bias;  // (exp + 127) << 23: added to (u << 19)
+  std::uint32_t scale_bias;  // (exp + 127) << 23: added to (u << 18)
 };
 
 inline ByteParamGrid byte_param_grid(const std::byte* params) {
@@ -29,7 +29,7 @@ inline ByteParamGrid byte_param_grid(const std::byte* params) {
 
 // Byte 0 is a zero scale (a constant series, as an f16 pair stores it).
 inline float byte_scale(std::uint8_t u, std::uint32_t bias) {
-  const std::uint32_t bits = u == 0 ? 0u : (static_cast<std::uint32_t>(u) << 19) + bias;
+  const std::uint32_t bits = u == 0 ? 0u : (static_cast<std::uint32_t>(u) << 18) + bias;
   float f;
   __builtin_memcpy(&f, &bits, 4);
   return f;

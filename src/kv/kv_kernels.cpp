@@ -142,11 +142,14 @@ CodebookSlice codebook_slice(const KvFormat& f, const KvCodec& c, int kind, int 
 namespace {
 
 // Byte parameters (kernels/kv_tiles.hpp): the tile's grid from its f16
-// pairs, each pair moved onto it so that the codes still reach both ends of
-// the range the fit chose for its series (the min rounded down, the scale
-// up); `sc`, `mn` get the decoded pairs the codes are then made with.
+// pairs, then each pair moved onto it: of the grid points around it (the min
+// rounded down or up, the scale to the level at or above what keeps the top
+// of the series' chosen range, or one level either side), the pair whose
+// codes give the series the least squared error (`sse`). `sc`, `mn` get the
+// decoded pairs the codes are then made with.
+template <typename Sse>
 void store_byte_params(const TileLayout& l, int qmax, const std::uint16_t* s16, const std::uint16_t* m16,
-                       std::byte* tile, float* sc, float* mn) {
+                       std::byte* tile, float* sc, float* mn, Sse sse) {
   const std::size_t n = l.n_params;
   const auto finite_or_0 = [](float x) { return std::isfinite(x) ? x : 0.0f; };
   float lo = std::numeric_limits<float>::infinity(), hi = -lo, smax = 0.0f;
@@ -158,13 +161,13 @@ void store_byte_params(const TileLayout& l, int qmax, const std::uint16_t* s16, 
   float step = (hi - lo) / 255.0f;
   if (!std::isfinite(step)) step = 0.0f;
   while (step > 0.0f && std::fma(255.0f, step, lo) < hi) step = std::nextafter(step, std::numeric_limits<float>::infinity());
-  // The top octave holds the largest scale: exp + 15 = floor(log2(smax));
-  // f16 scales are 0 or within [2^-24, 2^16), so exp stays within [-39, 0].
-  int e = -39;
+  // The top octave holds the largest scale: exp + 7 = floor(log2(smax)); f16
+  // scales are 0 or within [2^-24, 2^16), so exp stays within [-31, 8].
+  int e = -31;
   if (smax > 0.0f) {
     int top = 0;
     std::frexp(smax, &top);
-    e = std::clamp(top - 1 - 15, -39, 0);
+    e = std::clamp(top - 1 - 7, -31, 8);
   }
   std::byte* params = tile + l.param_offset;
   const std::int16_t e16 = static_cast<std::int16_t>(e);
@@ -174,32 +177,41 @@ void store_byte_params(const TileLayout& l, int qmax, const std::uint16_t* s16, 
   std::memset(params + 10, 0, 2);
   const std::uint32_t bias = static_cast<std::uint32_t>(e + 127) << 23;
   const auto scale_of = [&](std::uint32_t u) {  // as kernels/kv_tiles.hpp decodes it: byte 0 is 0
-    const std::uint32_t b = u == 0 ? 0u : (u << 19) + bias;
+    const std::uint32_t b = u == 0 ? 0u : (u << 18) + bias;
     float f;
     std::memcpy(&f, &b, 4);
     return f;
   };
+  const auto min_of = [&](std::uint32_t u) { return std::fma(static_cast<float>(u), step, lo); };
   auto* su = reinterpret_cast<std::uint8_t*>(params + kernels::kByteParamHeader);
   auto* mu = su + l.param_stride;
   for (std::size_t p = 0; p < n; ++p) {
     const float m = finite_or_0(fp16_to_fp32(m16[p])), s = finite_or_0(fp16_to_fp32(s16[p]));
     const float top = std::fma(static_cast<float>(qmax), s, m);
     const float f = step > 0.0f ? (m - lo) / step : 0.0f;
-    std::uint32_t um = !(f > 0.0f) ? 0u : f >= 255.0f ? 255u : static_cast<std::uint32_t>(f);
-    while (um > 0 && std::fma(static_cast<float>(um), step, lo) > m) --um;
-    const float min_q = std::fma(static_cast<float>(um), step, lo);
-    const float need = std::max((top - min_q) / static_cast<float>(qmax), 0.0f);
-    std::uint32_t us = 0;
-    if (need > 0.0f) {  // the smallest level at or above it (rounded up from its f32 bits)
-      std::uint32_t nb;
-      std::memcpy(&nb, &need, 4);
-      us = nb <= bias ? 1u : std::clamp<std::uint32_t>((nb - bias + (1u << 19) - 1) >> 19, 1u, 255u);
-      while (us < 255 && scale_of(us) < need) ++us;
+    std::uint32_t um0 = !(f > 0.0f) ? 0u : f >= 255.0f ? 255u : static_cast<std::uint32_t>(f);
+    while (um0 > 0 && min_of(um0) > m) --um0;
+    float best = std::numeric_limits<float>::infinity();
+    std::uint32_t best_s = 0, best_m = um0;
+    for (std::uint32_t um = um0; um <= std::min(um0 + 1, 255u); ++um) {
+      const float need = std::max((top - min_of(um)) / static_cast<float>(qmax), 0.0f);
+      std::uint32_t us = 0;
+      if (need > 0.0f && s > 0.0f) {  // the smallest level at or above it (rounded up from its f32 bits)
+        std::uint32_t nb;
+        std::memcpy(&nb, &need, 4);
+        us = nb <= bias ? 1u : std::clamp<std::uint32_t>((nb - bias + (1u << 18) - 1) >> 18, 1u, 255u);
+        while (us < 255 && scale_of(us) < need) ++us;
+      }
+      for (std::uint32_t u = us > 1 ? us - 1 : us; u <= std::min(us + 1, 255u); ++u) {
+        if ((u == 0) != (us == 0)) continue;  // a zero scale only for a constant series
+        const float err = sse(p, scale_of(u), min_of(um));
+        if (err < best) best = err, best_s = u, best_m = um;
+      }
     }
-    su[p] = static_cast<std::uint8_t>(us);
-    mu[p] = static_cast<std::uint8_t>(um);
-    sc[p] = scale_of(us);
-    mn[p] = min_q;
+    su[p] = static_cast<std::uint8_t>(best_s);
+    mu[p] = static_cast<std::uint8_t>(best_m);
+    sc[p] = scale_of(best_s);
+    mn[p] = min_of(best_m);
   }
 }
 
@@ -237,7 +249,25 @@ void encode_scaled_tile(const KvCodec& codec, const TileLayout& l, const float* 
   }
   sc.resize(l.n_params), mn.resize(l.n_params);
   if (l.byte_params) {
-    store_byte_params(l, qmax, scales, mins, tile, sc.data(), mn.data());
+    const float top = static_cast<float>(qmax);
+    // The squared error of pair p's series under (scale, min): a channel over
+    // the rows, or a row's group.
+    const auto sse = [&](std::size_t p, float scale, float min) {
+      const float inv = inverse(scale);
+      float e = 0.0f;
+      const auto add = [&](float v) {
+        const float d = v - (code_of(v, inv, min, top) * scale + min);
+        e += d * d;
+      };
+      if (codec.axis == KvAxis::channel) {
+        for (int j = 0; j < T; ++j) add(rows[static_cast<std::size_t>(j) * D + p]);
+      } else {
+        const float* x = rows + (p / static_cast<std::size_t>(groups)) * D + (p % static_cast<std::size_t>(groups)) * G;
+        for (int c = 0; c < G; ++c) add(x[c]);
+      }
+      return e;
+    };
+    store_byte_params(l, qmax, scales, mins, tile, sc.data(), mn.data(), sse);
   } else {
     for (std::size_t p = 0; p < l.n_params; ++p) sc[p] = fp16_to_fp32(scales[p]), mn[p] = fp16_to_fp32(mins[p]);
   }

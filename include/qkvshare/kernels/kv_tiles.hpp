@@ -26,7 +26,7 @@ namespace qkvshare::kernels {
 // sets (as k-quants keep 6-bit scales under an f16 one): at param_offset a
 // 12-byte header (f32 min_lo, f32 min_step, i16 scale exponent, 2 bytes of
 // zero), then param_stride scale bytes, then param_stride min bytes:
-//   scale = 2^(exp + (u >> 4)) * (1 + (u & 15) / 16)  (f32 bits (u << 19) + ((exp + 127) << 23)),
+//   scale = 2^(exp + (u >> 5)) * (1 + (u & 31) / 32)  (f32 bits (u << 18) + ((exp + 127) << 23)),
 //           and 0 for u = 0,
 //   min   = fma(u, min_step, min_lo).
 // Both decode exactly the same on every level; the encoder codes against the
