@@ -198,7 +198,7 @@ void register_all() {
         }
       }
   // One 32 x 64 tile (a SmolLM2 KV head of one block); K per channel, V per token.
-  for (const char* format : {"int8", "int4", "int2", "int2:vgroup=64:outliers=0.01"})
+  for (const char* format : {"int8", "int4", "int2", "int2:vgroup=64:outliers=0.01", "int4:params=8", "int2:params=8"})
     for (int kind = 0; kind < 2; ++kind)
       for (Isa isa : {best_isa(), Isa::portable})
         benchmark::RegisterBenchmark((std::string("encode_tile/") + format + (kind ? "/V/" : "/K/") + std::string(isa_name(isa))).c_str(),

@@ -74,6 +74,8 @@ def short_name(fmt):
         elif p.startswith(("outliers=", "koutliers=", "voutliers=")):  # +o1%: 1% of each tile kept apart
             side, _, share = p.partition("=")
             out += f"+{side[0] if side != 'outliers' else ''}o{100 * float(share):g}%"
+        elif p == "params=8":  # one-byte scales and mins
+            out += "+p8"
     return out
 
 

@@ -125,19 +125,25 @@ TEST(KvEval, HandoffProtocolContinuesTheProducersBlocks) {
   EXPECT_THROW(evaluate_kv(engine, tokens, formats, o), Error);
 }
 
-// Dense-and-sparse tiles on a real model: the same int2 codes with 2% of each
-// tile's elements kept apart cost less KL, and the bits count the outliers.
-TEST(KvEval, OutliersLowerInt2KlOnStories) {
+// Two formats on stories260K under the handoff protocol (ctx 256, 512 scored
+// positions): the f32 reference, then the two.
+EvalReport handoff_eval_on_stories(const char* a, const char* b) {
   auto model = Model::load(testing::shared_path("models/stories260K.bin"), testing::shared_path("models/tok512.bin"));
   const auto tokens = model->tokenizer().encode(slurp(testing::shared_path("data/tinystories-valid-sample.txt")));
   Engine engine(*model, EngineOptions{2});
-  const std::vector<KvFormat> formats{KvFormat::parse("int2"), KvFormat::parse("int2:outliers=0.02")};
   EvalOptions o;
   o.ctx = 256;
   o.max_scored = 512;
   o.protocol = EvalProtocol::handoff;
   o.chunk = 32;
-  const EvalReport r = evaluate_kv(engine, tokens, formats, o);
+  const std::vector<KvFormat> formats{KvFormat::parse(a), KvFormat::parse(b)};
+  return evaluate_kv(engine, tokens, formats, o);
+}
+
+// Dense-and-sparse tiles on a real model: the same int2 codes with 2% of each
+// tile's elements kept apart cost less KL, and the bits count the outliers.
+TEST(KvEval, OutliersLowerInt2KlOnStories) {
+  const EvalReport r = handoff_eval_on_stories("int2", "int2:outliers=0.02");
   ASSERT_EQ(r.results.size(), 3u);
   const EvalFormatResult &plain = r.results[1], &sparse = r.results[2];
   EXPECT_LT(sparse.mean_kl, 0.8 * plain.mean_kl);
@@ -148,16 +154,7 @@ TEST(KvEval, OutliersLowerInt2KlOnStories) {
 // One-byte (scale, min) pairs on a real model: fewer bits than the f16 pairs,
 // counted exactly, for a small share of extra KL (the grid is coarser).
 TEST(KvEval, ByteParamsCostLittleKlOnStories) {
-  auto model = Model::load(testing::shared_path("models/stories260K.bin"), testing::shared_path("models/tok512.bin"));
-  const auto tokens = model->tokenizer().encode(slurp(testing::shared_path("data/tinystories-valid-sample.txt")));
-  Engine engine(*model, EngineOptions{2});
-  const std::vector<KvFormat> formats{KvFormat::parse("int4"), KvFormat::parse("int4:params=8")};
-  EvalOptions o;
-  o.ctx = 256;
-  o.max_scored = 512;
-  o.protocol = EvalProtocol::handoff;
-  o.chunk = 32;
-  const EvalReport r = evaluate_kv(engine, tokens, formats, o);
+  const EvalReport r = handoff_eval_on_stories("int4", "int4:params=8");
   ASSERT_EQ(r.results.size(), 3u);
   const EvalFormatResult &f16_pairs = r.results[1], &byte_pairs = r.results[2];
   // head_dim 8, 32-token blocks: keys 8 pairs (32 -> 12 + 16 bytes), values one
