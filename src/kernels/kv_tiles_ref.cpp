@@ -36,17 +36,18 @@ inline float decode_code(const TileCodes& t, const std::byte* tile, const std::b
 }  // namespace
 
 void tile_param_ref(const TileCodes& t, const std::byte* tile, int p, float& scale, float& min) {
-  if (t.byte_params) {
-    const std::byte* params = tile + t.param_offset;
-    const detail::ByteParamGrid g = detail::byte_param_grid(params);
-    const auto* su = reinterpret_cast<const std::uint8_t*>(params + kByteParamHeader);
-    scale = detail::byte_scale(su[p], g.scale_bias);
-    min = detail::byte_min(su[t.param_stride + static_cast<std::size_t>(p)], g);
-    return;
-  }
+  if (t.byte_params) return detail::byte_params_f32(t, tile, p, 1, &scale, &min);
   const auto* scales = reinterpret_cast<const std::uint16_t*>(tile + t.param_offset);
   scale = fp16_to_fp32(scales[p]);
   min = fp16_to_fp32(scales[t.param_stride + static_cast<std::size_t>(p)]);
+}
+
+float byte_param_scale(std::uint8_t u, int scale_exp) noexcept {
+  return detail::byte_scale(u, static_cast<std::uint32_t>(scale_exp + 127) << 23);
+}
+
+float byte_param_min(std::uint8_t u, float min_lo, float min_step) noexcept {
+  return detail::byte_min(u, detail::ByteParamGrid{min_lo, min_step, 0});
 }
 
 float decode_element_ref(const TileCodes& t, const std::byte* tile, int j, int c) {

@@ -152,10 +152,11 @@ void store_byte_params(const TileLayout& l, int qmax, const std::uint16_t* s16, 
                        std::byte* tile, float* sc, float* mn, Sse sse) {
   const std::size_t n = l.n_params;
   const auto finite_or_0 = [](float x) { return std::isfinite(x) ? x : 0.0f; };
+  // The f16 pairs in f32 (non-finite as 0), into the outputs until the grid's are known.
   float lo = std::numeric_limits<float>::infinity(), hi = -lo, smax = 0.0f;
   for (std::size_t p = 0; p < n; ++p) {
-    const float m = finite_or_0(fp16_to_fp32(m16[p])), s = finite_or_0(fp16_to_fp32(s16[p]));
-    lo = std::min(lo, m), hi = std::max(hi, m), smax = std::max(smax, s);
+    sc[p] = finite_or_0(fp16_to_fp32(s16[p])), mn[p] = finite_or_0(fp16_to_fp32(m16[p]));
+    lo = std::min(lo, mn[p]), hi = std::max(hi, mn[p]), smax = std::max(smax, sc[p]);
   }
   if (n == 0) lo = hi = 0.0f;
   float step = (hi - lo) / 255.0f;
@@ -175,18 +176,13 @@ void store_byte_params(const TileLayout& l, int qmax, const std::uint16_t* s16, 
   std::memcpy(params + 4, &step, 4);
   std::memcpy(params + 8, &e16, 2);
   std::memset(params + 10, 0, 2);
-  const std::uint32_t bias = static_cast<std::uint32_t>(e + 127) << 23;
-  const auto scale_of = [&](std::uint32_t u) {  // as kernels/kv_tiles.hpp decodes it: byte 0 is 0
-    const std::uint32_t b = u == 0 ? 0u : (u << 18) + bias;
-    float f;
-    std::memcpy(&f, &b, 4);
-    return f;
-  };
-  const auto min_of = [&](std::uint32_t u) { return std::fma(static_cast<float>(u), step, lo); };
+  const std::uint32_t bias = static_cast<std::uint32_t>(e + 127) << 23;  // a level's f32 bits: (u << 18) + bias
+  const auto scale_of = [&](std::uint32_t u) { return kernels::byte_param_scale(static_cast<std::uint8_t>(u), e); };
+  const auto min_of = [&](std::uint32_t u) { return kernels::byte_param_min(static_cast<std::uint8_t>(u), lo, step); };
   auto* su = reinterpret_cast<std::uint8_t*>(params + kernels::kByteParamHeader);
   auto* mu = su + l.param_stride;
   for (std::size_t p = 0; p < n; ++p) {
-    const float m = finite_or_0(fp16_to_fp32(m16[p])), s = finite_or_0(fp16_to_fp32(s16[p]));
+    const float m = mn[p], s = sc[p];
     const float top = std::fma(static_cast<float>(qmax), s, m);
     const float f = step > 0.0f ? (m - lo) / step : 0.0f;
     std::uint32_t um0 = !(f > 0.0f) ? 0u : f >= 255.0f ? 255u : static_cast<std::uint32_t>(f);

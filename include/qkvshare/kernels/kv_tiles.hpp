@@ -178,6 +178,9 @@ void decode_tile_ref(const TileCodes& codes, const std::byte* tile, int n_rows, 
 float decode_element_ref(const TileCodes& codes, const std::byte* tile, int j, int c);
 // (scale, min) pair p of an integer-code tile as f32, exactly as every level decodes it.
 void tile_param_ref(const TileCodes& codes, const std::byte* tile, int p, float& scale, float& min);
+// A byte parameter's value on a tile's grid (the formulas above), for encoders.
+float byte_param_scale(std::uint8_t u, int scale_exp) noexcept;
+float byte_param_min(std::uint8_t u, float min_lo, float min_step) noexcept;
 float scores_ref(const float* q, const float* rows, int n_rows, int head_dim, float scale, float* s);
 void weighted_sum_ref(float* o, const float* p, const float* rows, int n_rows, int head_dim);
 float exp_sum_ref(float* x, int n, float max);
