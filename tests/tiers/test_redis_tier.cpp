@@ -236,7 +236,15 @@ TEST(RedisTier, FailuresFallBackToTextWithAReasonAndNeverHang) {
   ASSERT_TRUE(keys && keys->type == REDIS_REPLY_ARRAY && keys->elements > 0);
   const std::string block_key(keys->element[0]->str, keys->element[0]->len);
   freeReplyObject(keys);
-  freeReplyObject(server.command("SETRANGE %s 100 %s", block_key, "X"));
+  // Flip a byte rather than write a fixed one: the ciphertext is random (a
+  // fresh nonce per push), so a fixed byte matches what is stored 1 time in 256.
+  redisReply* byte = server.command("GETRANGE %s 100 100", block_key);
+  ASSERT_TRUE(byte && byte->type == REDIS_REPLY_STRING && byte->len == 1);
+  const auto stored = static_cast<unsigned char>(byte->str[0]);
+  freeReplyObject(byte);
+  // Never 0: the helper passes a C string.
+  const std::string flipped(1, static_cast<char>(stored == 0x5a ? 0x01 : stored ^ 0x5a));
+  freeReplyObject(server.command("SETRANGE %s 100 %s", block_key, flipped));
   expect_fallback(tier, p.ref, "authentication failed");
 
   // Stalled mid-transfer (SIGSTOP): the reply timeout ends the wait.
