@@ -207,8 +207,12 @@ TEST(ServerStoreTiers, ATamperedSpillFileIsRefusedNotDecoded) {
   const std::string file = o.spill_dir + "/" + ContextStore::name_of(id) + ".qkvctx";
   {
     std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
-    io.seekp(static_cast<std::streamoff>(fs::file_size(file) - 100));
-    io.put('\x5a');
+    // Flip the byte rather than write a fixed one, which may already be there.
+    const auto at = static_cast<std::streamoff>(fs::file_size(file) - 100);
+    io.seekg(at);
+    const int byte = io.get();
+    io.seekp(at);
+    io.put(static_cast<char>(byte ^ 0x5a));
   }
   try {
     store.open_prefix(id, "default", 10, kSrvTierCapacity);
