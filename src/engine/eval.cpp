@@ -85,6 +85,10 @@ EvalReport evaluate_kv(Engine& engine, std::span<const TokenId> tokens, std::spa
       fail(ErrorCode::invalid_argument,
            "KV format {} demotes or drops blocks when a context is handed off: evaluate it with --protocol handoff",
            f.to_string());
+    else if (f.cold_tail && o.protocol != EvalProtocol::handoff)
+      fail(ErrorCode::invalid_argument,
+           "KV format {} codes its last block when a context is handed off: evaluate it with --protocol handoff",
+           f.to_string());
   if (o.decode_tokens < 0 || o.decode_tokens >= o.ctx - 1)
     fail(ErrorCode::invalid_argument, "decode tokens {} must be in [0, ctx - 1)", o.decode_tokens);
   const int first = o.score_all ? 1 : o.ctx / 2;  // first scored token of a window

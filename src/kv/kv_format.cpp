@@ -276,6 +276,10 @@ KvFormat KvFormat::parse(std::string_view text) {
       if (val == "keep") f.close_positions = false;
       else if (val == "close") f.close_positions = true;
       else fail(ErrorCode::invalid_argument, "KV format '{}': positions must be keep or close, got '{}'", whole, val);
+    } else if (key == "tail") {
+      if (val == "hot") f.cold_tail = false;
+      else if (val == "cold") f.cold_tail = true;
+      else fail(ErrorCode::invalid_argument, "KV format '{}': tail must be hot or cold, got '{}'", whole, val);
     } else if (key == "rank") {
       if (val == "attention") f.rank = Rank::attention;
       else if (val == "recent") f.rank = Rank::recent;
@@ -312,7 +316,7 @@ KvFormat KvFormat::parse(std::string_view text) {
       has_top = has_top || key == "top";
     } else {
       fail(ErrorCode::invalid_argument,
-           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, keys, lo, top, budget, rank, positions, outliers, koutliers, voutliers, params, book)",
+           "KV format '{}': unknown option '{}' (expected window, sink, kaxis, kgroup, vgroup, rot, keys, lo, top, budget, rank, positions, tail, outliers, koutliers, voutliers, params, book)",
            whole, key);
     }
   }
@@ -361,6 +365,12 @@ KvFormat KvFormat::parse(std::string_view text) {
   }
   if (f.close_positions && !f.evicts())
     fail(ErrorCode::invalid_argument, "KV format '{}': positions applies to dropping (budget)", whole);
+  if (f.cold_tail && !f.k.quantized() && !f.v.quantized())
+    fail(ErrorCode::invalid_argument, "KV format '{}': tail=cold needs quantized codes (int8 .. int2, pq)", whole);
+  if (f.cold_tail && f.window > 0)
+    fail(ErrorCode::invalid_argument,
+         "KV format '{}': tail=cold ships the partly filled block coded, window keeps the newest tokens hot: give one",
+         whole);
   if (f.rank != Rank::attention && !f.observes())
     fail(ErrorCode::invalid_argument, "KV format '{}': rank applies to mixed precision (lo, top) or dropping (budget)",
          whole);
@@ -400,6 +410,7 @@ std::string KvFormat::to_string() const {
   if (evicts()) s += fmt::format(":budget={}", budget);
   if (rank == Rank::recent) s += ":rank=recent";
   if (close_positions) s += ":positions=close";
+  if (cold_tail) s += ":tail=cold";
   // One value for every integer codec prints as outliers=; else per side.
   const int ko = std::max(k.outliers, lo_k.outliers), vo = std::max(v.outliers, lo_v.outliers);
   const bool k_int = k.scaled() || (mixed() && lo_k.scaled()), v_int = v.scaled() || (mixed() && lo_v.scaled());

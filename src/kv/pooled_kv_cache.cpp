@@ -200,11 +200,12 @@ std::unique_ptr<PooledKvCache> PooledKvCache::adopt(std::shared_ptr<KvPool> pool
       table.push_back(b);
       const BlockInfo info = pool->info(b);
       const int rows_used = std::min(T, s.first_row + s.tokens - (static_cast<int>(table.size()) - 1) * T);
-      // Only rows coded one by one can be partly filled.
+      // Only rows coded one by one can be partly filled, and a segment's last block coded whole (code_tail).
       const bool partial = static_cast<int>(info.fill) < T;
+      const bool coded_tail = table.size() == s.blocks.size() && info.k == format.k && info.v == format.v;
       if ((!format.demoted(info.k, info.v) && ((info.k != format.k && info.k != hk) || (info.v != format.v && info.v != hv))) ||
           (info.flags & ~kBlockWindowFreed) != cache->block_flags() || static_cast<int>(info.fill) < rows_used ||
-          (partial && (info.k.quantized() || info.v.quantized())))
+          (partial && (info.k.quantized() || info.v.quantized()) && !coded_tail))
         fail(ErrorCode::invalid_argument, "adopt: block {} holds codecs {:#x}/{:#x} (flags {}, {} rows), not format {}",
              b.index, info.k.pack(), info.v.pack(), info.flags, info.fill, format.to_string());
     }
@@ -364,7 +365,9 @@ void PooledKvCache::plan(int n) {
         w.src = cur;
         w.sk = info.k;
         w.sv = info.v;
-        if (!requantize && info.refcount == 1) {
+        // A partly filled block coded whole (code_tail) is never written in place: its rows are decoded into a new one.
+        const bool coded_partial = static_cast<int>(info.fill) < T && (info.k.quantized() || info.v.quantized());
+        if (!requantize && info.refcount == 1 && !coded_partial) {
           w.dst = cur;  // the tail, written in place
           step->work.push_back(w);
           continue;

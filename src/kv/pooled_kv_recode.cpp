@@ -2,6 +2,7 @@
 // context (recoded(), tiers/context_tiers.hpp) and a mixed format's demote()
 // of its least attended blocks. Each block goes through f32 rows, and the
 // change it makes to what attention reads can be measured as it is made.
+#include <algorithm>
 #include <cmath>
 
 #include "qkvshare/kv/kv_kernels.hpp"
@@ -49,10 +50,14 @@ BlockRef PooledKvCache::recode_block(BlockRef ref, const KvCodec& k, const KvCod
         for (int kh = 0; kh < s.n_kv_heads && pool_->stores_layer(ref, l); ++kh) {
           kv::decode_tile_scalar(from, fl, pool_->tile(ref, kind, l, kh), T, old_rows.data(),
                                  kv::codebook_slice(format_, from, kind, l, kh));
+          // A partly filled block coded whole (code_tail): the unused rows repeat the last one.
+          if (into.quantized() && fill > 0)
+            for (int r = fill; r < T; ++r)
+              std::copy_n(&old_rows[static_cast<std::size_t>(fill - 1) * D], D, &old_rows[static_cast<std::size_t>(r) * D]);
           const kv::CodebookSlice book = kv::codebook_slice(to, into, kind, l, kh);
           std::byte* tile = pool_->tile(dst, kind, l, kh);
           if (into.quantized()) {
-            kv::encode_tile(into, tl, old_rows.data(), tile, book);  // a quantized block is a full one
+            kv::encode_tile(into, tl, old_rows.data(), tile, book);  // codes every row
           } else {
             for (int r = 0; r < fill; ++r)
               kv::encode_row(into, tl, &old_rows[static_cast<std::size_t>(r) * D], r, tile);

@@ -139,4 +139,21 @@ std::vector<std::pair<int, int>> PooledKvCache::evict() {
   return ranges;
 }
 
+bool PooledKvCache::code_tail() {
+  QKV_CHECK(!step_);
+  const KvSegment& seg = segments_.back();
+  if (!format_.cold_tail || seg.blocks.empty()) return false;
+  const int T = pool_->block_tokens();
+  const BlockRef ref = seg.blocks.back();
+  const BlockInfo info = pool_->info(ref);
+  if (static_cast<int>(info.fill) >= T || info.k.quantized() || info.v.quantized()) return false;
+  // Hot for another reason than being partly filled: a sink (only the first segment holds the context's first tokens).
+  const int block = static_cast<int>(seg.blocks.size()) - 1;
+  if (segments_.size() == 1 && format_.block_is_hot(block, (block + 1) * T, T)) return false;
+  const BlockRef coded = recode_block(ref, format_.k, format_.v, format_);
+  pool_->release(ref);
+  segments_.back().blocks.back() = coded;
+  return true;
+}
+
 }  // namespace qkvshare

@@ -90,7 +90,8 @@ void validate_agent_id(std::string_view id, std::string_view what) {
 }
 
 std::optional<KvFormat> Descriptor::format() const {
-  if (format_flags > 11) return std::nullopt;
+  // Bits 2-3 hold a KeyRope (0 to 2); bit 4 tail=cold.
+  if ((format_flags & ~0x1fu) != 0 || ((format_flags >> 2) & 3u) == 3u) return std::nullopt;
   KvFormat f;
   try {
     f.k = KvCodec::unpack(k_codec);
@@ -103,7 +104,9 @@ std::optional<KvFormat> Descriptor::format() const {
   f.rotate_k = (format_flags & 1u) != 0;
   f.rotate_v = (format_flags & 2u) != 0;
   f.key_rope = static_cast<KeyRope>((format_flags >> 2) & 3u);
+  f.cold_tail = (format_flags & 16u) != 0;
   if (f.key_rope != KeyRope::post && f.rotate_k) return std::nullopt;
+  if (f.cold_tail && (f.window > 0 || (!f.k.quantized() && !f.v.quantized()))) return std::nullopt;
   if (top_millionths != 0) {
     try {
       f.lo_k = KvCodec::unpack(lo_k_codec);
@@ -127,7 +130,8 @@ void Descriptor::set_format(const KvFormat& f) {
   v_codec = f.v.pack();
   window = static_cast<std::uint32_t>(f.window);
   sink = static_cast<std::uint32_t>(f.sink);
-  format_flags = (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u) | (static_cast<std::uint32_t>(f.key_rope) << 2);
+  format_flags = (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u) | (static_cast<std::uint32_t>(f.key_rope) << 2) |
+                 (f.cold_tail ? 16u : 0u);
   lo_k_codec = f.mixed() ? f.lo_k.pack() : 0;
   lo_v_codec = f.mixed() ? f.lo_v.pack() : 0;
   top_millionths = f.mixed() ? static_cast<std::uint32_t>(std::clamp(std::lround(f.top * 1e6), 1L, 999999L)) : 0;

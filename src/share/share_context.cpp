@@ -134,13 +134,13 @@ void SharePool::Impl::admit_locked(const Descriptor& d, std::string_view agent, 
 SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<const TokenId> tokens,
                               std::string_view text, const ModelFingerprint& fp, std::string_view producer) {
   validate_agent_id(producer, "seal");
-  // A mixed format ships demoted, a format with a budget evicted: a fork of
-  // the producer's context, with its least attended blocks recoded or
-  // dropped, is what the record holds; the producer keeps its own blocks (and
+  // A mixed format ships demoted, a format with a budget evicted, one with
+  // tail=cold its partly filled block coded: a fork of the producer's
+  // context, reduced so, is what the record holds; the producer keeps its own blocks (and
   // their precision) for as long as it runs.
   std::unique_ptr<PooledKvCache> reduced;
   std::vector<TokenId> kept_tokens;
-  if (producer_cache.format().observes() && static_cast<std::size_t>(producer_cache.size()) == tokens.size()) {
+  if (producer_cache.format().reduces_at_handoff() && static_cast<std::size_t>(producer_cache.size()) == tokens.size()) {
     reduced = producer_cache.fork();  // (a count mismatch is reported below)
     kept_tokens.assign(tokens.begin(), tokens.end());
     reduce_for_handoff(*reduced, kept_tokens);
@@ -212,10 +212,10 @@ SealedContext SharePool::seal(const PooledKvCache& producer_cache, std::span<con
   rec.v_codec = f.v.pack();
   rec.window = static_cast<std::uint32_t>(f.window);
   rec.sink = static_cast<std::uint32_t>(f.sink);
-  rec.format_flags = (f.rotate_k ? 1u : 0u) | (f.rotate_v ? 2u : 0u) | (static_cast<std::uint32_t>(f.key_rope) << 2);
   {
-    Descriptor mixed;  // the one encoding of a format's mixed-precision fields
+    Descriptor mixed;  // the one encoding of a format's flags and mixed-precision fields
     mixed.set_format(f);
+    rec.format_flags = mixed.format_flags;
     rec.lo_k_codec = mixed.lo_k_codec;
     rec.lo_v_codec = mixed.lo_v_codec;
     rec.top_millionths = mixed.top_millionths;

@@ -111,6 +111,8 @@ expect_error "outliers must be a share from 0.001 to 0.127" eval -m "$S" -t "$T"
 expect_error "outliers needs integer codes" eval -m "$S" -t "$T" --text "$SRC" --kv f16:outliers=0.01 --ctx 64 --max-tokens 64
 expect_error "params must be 8 (one-byte scales and mins) or 16" eval -m "$S" -t "$T" --text "$SRC" --kv int4:params=4 --ctx 64 --max-tokens 64
 expect_error "params=8 needs integer codes" eval -m "$S" -t "$T" --text "$SRC" --kv f16:params=8 --ctx 64 --max-tokens 64
+expect_error "tail must be hot or cold, got 'warm'" eval -m "$S" -t "$T" --text "$SRC" --kv int4:tail=warm --ctx 64 --max-tokens 64
+expect_error "codes its last block when a context is handed off: evaluate it with --protocol handoff" eval -m "$S" -t "$T" --text "$SRC" --kv int4:tail=cold --ctx 64 --max-tokens 64
 expect_error "--kv: the list is empty" splice-eval -m "$S" -t "$T" --source "$SRC" --kv ""
 expect_error "nothing to measure" bench -m "$S" -t "$T" -n 4 -r 1 --batch 2 -d 1000
 expect_error "nothing was measured" bench -m "$S" -t "$T" -n 4 -p 0 -r 1 -d 1000

@@ -9,6 +9,7 @@
 #include "kv_test_util.hpp"
 #include "qkvshare/core/error.hpp"
 #include "qkvshare/core/thread_pool.hpp"
+#include "qkvshare/kv/kv_kernels.hpp"
 #include "qkvshare/kv/pooled_kv_cache.hpp"
 
 namespace qkvshare {
@@ -193,6 +194,92 @@ TEST(PooledKvSeal, EvictDoesNothingWithoutABudgetOrQueries) {
   const auto kept = tiny.evict();
   EXPECT_EQ(kept, (std::vector<std::pair<int, int>>{{0, 8}, {40, 45}}));
   EXPECT_EQ(tiny.size(), 13);
+}
+
+// tail=cold: the partly filled block ships coded (the codes of its rows with
+// the unused ones repeating the last), the producer keeps its hot tail, and a
+// consumer continues exactly as a context whose last tokens had the shipped
+// rows, whether its write fills that block or not and whether or not it holds
+// the coded block alone (then it must still copy, never write codes in place).
+TEST(PooledKvSeal, ColdTailShipsThePartlyFilledBlockCoded) {
+  ThreadPool threads(2);
+  const KvShape s{2, 6, 3, 16};
+  const int T = 8, n = 27, tail = 3;  // three full blocks and three rows
+  for (const char* text : {"int4:tail=cold", "k8v4:tail=cold", "int3:outliers=0.02:params=8:tail=cold"})
+    for (const int more : {5, 2})
+      for (const bool alone : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << text << " +" << more << (alone ? " alone" : " shared"));
+        const KvFormat f = KvFormat::parse(text);
+        auto pool = KvPool::create(PoolConfig{s, T, KvPool::arena_bytes_for(s, T, f, 64, 4)});
+        const auto pass = random_pass(s, n, 7);
+        {
+          auto producer = std::make_unique<PooledKvCache>(pool, f, 64);
+          run_pass(*producer, pass, n, threads);
+          auto shipped = producer->fork();
+          ASSERT_TRUE(shipped->code_tail());
+          EXPECT_FALSE(shipped->code_tail());  // coded already
+          const BlockInfo sent = pool->info(shipped->segments()[0].blocks[3]);
+          EXPECT_EQ(sent.k, f.k);
+          EXPECT_EQ(sent.v, f.v);
+          EXPECT_EQ(sent.fill, static_cast<std::uint32_t>(tail));
+          EXPECT_EQ(pool->info(producer->segments()[0].blocks[3]).k, hot_codec(f.k));
+          // The shipped rows are the scalar codes of the padded tile; the reference pass carries them.
+          testing::Pass ref_pass = pass;
+          std::vector<float> hot(static_cast<std::size_t>(T) * s.head_dim), got(hot.size()), want(hot.size());
+          std::vector<std::byte> tile;
+          for (int l = 0; l < s.n_layers; ++l)
+            for (int kind = 0; kind < 2; ++kind)
+              for (int h = 0; h < s.n_kv_heads; ++h) {
+                const KvCodec& c = kind == 0 ? f.k : f.v;
+                const TileLayout layout = tile_layout(c, T, s.head_dim);
+                producer->read_rows(l, kind, h, 24, tail, hot.data());
+                for (int r = tail; r < T; ++r)
+                  std::copy_n(&hot[static_cast<std::size_t>(tail - 1) * s.head_dim], s.head_dim, &hot[static_cast<std::size_t>(r) * s.head_dim]);
+                tile.assign(layout.bytes, std::byte{0});
+                kv::encode_tile(c, layout, hot.data(), tile.data());
+                kv::decode_tile_scalar(c, layout, tile.data(), T, want.data());
+                shipped->read_rows(l, kind, h, 24, tail, got.data());
+                for (std::size_t i = 0; i < static_cast<std::size_t>(tail) * s.head_dim; ++i) ASSERT_EQ(got[i], want[i]) << i;
+                auto& rows = (kind == 0 ? ref_pass.k : ref_pass.v)[static_cast<std::size_t>(l)];
+                for (int t = 0; t < tail; ++t)
+                  std::copy_n(&got[static_cast<std::size_t>(t) * s.head_dim], s.head_dim,
+                              &rows[(static_cast<std::size_t>(24 + t) * s.n_kv_heads + h) * s.head_dim]);
+              }
+          PooledKvCache ref(pool, f, 64);
+          run_pass(ref, ref_pass, n, threads);
+          // A consumer adopts the shipped blocks as they are.
+          auto adopted = PooledKvCache::adopt(pool, f, 64, shipped->segments(), n);
+          if (alone) producer.reset();
+          const auto next = random_pass(s, more, 9);
+          const auto want_out = run_pass(ref, next, more, threads);
+          EXPECT_EQ(run_pass(*adopted, next, more, threads), want_out);
+          adopted.reset();
+          EXPECT_EQ(run_pass(*shipped, next, more, threads), want_out);
+          EXPECT_EQ(pool->info(shipped->segments()[0].blocks[3]).k, more == 5 ? f.k : hot_codec(f.k));
+        }
+        EXPECT_EQ(pool->counters().blocks_used, 0u);
+      }
+}
+
+// tail=cold leaves a full last block, a sink's block and formats without it as they are.
+TEST(PooledKvSeal, ColdTailCodesOnlyAPartlyFilledColdBlock) {
+  ThreadPool threads(1);
+  const KvShape s{2, 4, 2, 16};
+  auto pool = KvPool::create(PoolConfig{s, 8, 8 << 20});
+  PooledKvCache full(pool, KvFormat::parse("int8:tail=cold"), 64);
+  run_pass(full, random_pass(s, 16, 3), 16, threads);
+  EXPECT_FALSE(full.code_tail());
+  PooledKvCache sunk(pool, KvFormat::parse("int8:sink=4:tail=cold"), 64);
+  run_pass(sunk, random_pass(s, 5, 3), 5, threads);
+  EXPECT_FALSE(sunk.code_tail());
+  PooledKvCache plain(pool, KvFormat::parse("int8"), 64);
+  run_pass(plain, random_pass(s, 5, 3), 5, threads);
+  EXPECT_FALSE(plain.code_tail());
+  EXPECT_THROW(KvFormat::parse("f16:tail=cold"), Error);
+  EXPECT_THROW(KvFormat::parse("int4:window=64:tail=cold"), Error);
+  EXPECT_THROW(KvFormat::parse("int4:tail=warm"), Error);
+  EXPECT_EQ(KvFormat::parse("int4:tail=cold:vgroup=64").to_string(), "int4:vgroup=64:tail=cold");
+  EXPECT_EQ(KvFormat::parse("int4:tail=hot"), KvFormat::parse("int4"));
 }
 
 }  // namespace

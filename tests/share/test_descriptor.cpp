@@ -152,6 +152,22 @@ TEST(Descriptor, RejectsInconsistentFieldsEvenWithAValidChecksum) {
   EXPECT_NE(edit(185, 'x').find("NUL-padded"), std::string::npos);
 }
 
+TEST(Descriptor, RoundTripsAColdTailAndRefusesImpossibleFlags) {
+  Descriptor d = sample();
+  const KvFormat f = KvFormat::parse("int4:keys=block:tail=cold");
+  d.set_format(f);
+  EXPECT_EQ(d.format_flags, 8u | 16u);
+  ASSERT_TRUE(Descriptor::decode(d.encode()).format().has_value());
+  EXPECT_EQ(*Descriptor::decode(d.encode()).format(), f);
+  for (const std::uint32_t flags : {32u, 12u, 16u | 12u}) {  // an unknown bit; KeyRope 3
+    d.format_flags = flags;
+    EXPECT_FALSE(Descriptor::decode(d.encode()).format().has_value()) << flags;
+  }
+  d.set_format(KvFormat::parse("f16"));
+  d.format_flags = 16u;  // tail=cold on a format without codes
+  EXPECT_FALSE(Descriptor::decode(d.encode()).format().has_value());
+}
+
 TEST(Descriptor, UnknownCodecsDecodeButHaveNoFormat) {
   Descriptor d = sample();
   d.k_codec = 0xdeadbeef;

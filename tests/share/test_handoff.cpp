@@ -113,6 +113,44 @@ TEST_F(Handoff, AMixedFormatShipsDemotedAndTheProducerKeepsItsPrecision) {
   EXPECT_EQ(blocks_used(), 0u);
 }
 
+// tail=cold ships the partly filled block coded: the descriptor names the
+// format, the record's last block is in the cold codecs (fewer bytes than the
+// producer's hot tail), the producer keeps its hot tail, and the consumer
+// continues exactly as the producer's own context with its tail coded would.
+TEST_F(Handoff, AColdTailShipsTheLastBlockCoded) {
+  const KvFormat f = KvFormat::parse("int4:tail=cold");
+  auto producer = new_pooled_session(*pool_, *engine_, f, 512);
+  std::vector<TokenId> ids = prompt_;
+  while (ids.size() < 150) ids.insert(ids.end(), more_.begin(), more_.end());
+  ids.resize(150);  // 4 full blocks of 32 and 22 tokens
+  engine_->forward(*producer, ids);
+  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
+  const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
+  pool_->release(sealed);
+  ASSERT_TRUE(d.format().has_value());
+  EXPECT_EQ(*d.format(), f);
+  HandoffResult r = open_session(*pool_, *engine_, fp_, d, "B", {HandoffMode::kv});
+  ASSERT_TRUE(r.kv) << r.detail;
+  const auto last = [&](const Session& s) {
+    return pool_->kv_pool_if_any()->info(dynamic_cast<const PooledKvCache&>(s.cache()).segments().back().blocks.back());
+  };
+  EXPECT_EQ(last(*r.session).k, f.k);
+  EXPECT_EQ(last(*r.session).fill, 22u);
+  EXPECT_EQ(last(*producer).k, hot_codec(f.k));
+  auto reference = producer_fork(*producer);
+  ASSERT_TRUE(dynamic_cast<PooledKvCache&>(reference->cache()).code_tail());
+  const auto want = continue_with(*reference, more_);
+  const auto got = continue_with(*r.session, more_);
+  ASSERT_EQ(want.size(), got.size());
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  pool_->release(d, "B");
+  r.session.reset();
+  reference.reset();
+  producer.reset();
+  EXPECT_EQ(pool_->stats().contexts, 0);
+  EXPECT_EQ(blocks_used(), 0u);
+}
+
 // A format with a budget ships evicted: the record holds the kept runs of
 // blocks as moved segments and their token ids; the consumer continues
 // exactly as the producer's own context evicted the same way would, and the

@@ -144,6 +144,12 @@ struct KvFormat {
   // computed at, the next token after the dropped ones' too (as H2O and
   // SnapKV keep them), or moved back over the gaps (StreamingLLM's cache).
   bool close_positions = false;
+  // tail=cold: a handed-off context's partly filled last block ships in the
+  // cold codecs (PooledKvCache::code_tail, at seal or handoff) instead of
+  // hot, so a handoff ships the format's bits; its consumer reads the codes
+  // of those tokens, and copies them into a hot block of its own when it
+  // writes there. The producer keeps its hot tail.
+  bool cold_tail = false;
   // The codebook of pq codecs (k, v, lo_k or lo_v), shared by every format
   // that names the same file (KvCodebook::shared).
   std::shared_ptr<const KvCodebook> book;
@@ -154,6 +160,8 @@ struct KvFormat {
   bool evicts() const noexcept { return budget < 1.0; }
   // Whether the context records its last queries (demote() and evict() rank blocks by them).
   bool observes() const noexcept { return mixed() || evicts(); }
+  // Whether a handed-off context ships other than the producer holds it (reduce_for_handoff).
+  bool reduces_at_handoff() const noexcept { return observes() || cold_tail; }
   // Whether any codec of the format is pq (and so needs `book`).
   bool uses_pq() const noexcept { return k.pq() || v.pq() || (mixed() && (lo_k.pq() || lo_v.pq())); }
   // Whether K/V codecs are this mixed format's low precision (a demoted block).
@@ -170,6 +178,7 @@ struct KvFormat {
   // integer name as above, 0 < F < 1; vgroup applies to both precisions),
   // budget=F (token dropping, 0 < F < 1), rank=attention|recent (how both
   // choose their blocks), positions=keep|close (where kept blocks sit),
+  // tail=hot|cold (the partly filled block of a handed-off context),
   // outliers=F (every integer codec keeps the share F of each tile's
   // elements apart in f16, 0.001 <= F <= 0.127, in steps of 0.001), or
   // koutliers=F / voutliers=F for the keys' or the values' codecs only.

@@ -202,6 +202,13 @@ class PooledKvCache final : public KvCache {
   // caller keeps of its token ids); empty when nothing was dropped (the same
   // cases as demote(), and a budget that keeps every block).
   std::vector<std::pair<int, int>> evict();
+  // Formats with tail=cold (KvFormat::cold_tail): recodes the partly filled
+  // last block of the writable tail into the cold codecs (its unused rows
+  // padded with its last row, so they widen no range), unless a sink keeps
+  // it hot. Like demote(), a new block: a fork sharing the old one keeps it.
+  // A later write there copies the decoded rows into a hot block first.
+  // Returns whether a block was recoded.
+  bool code_tail();
 
   // A copy of this context in another format of the same pool (the memory
   // tiers' demotion, tiers/context_tiers.hpp): every block is recoded to the
@@ -294,13 +301,14 @@ class PooledKvCache final : public KvCache {
 };
 
 // What a context ships when it is handed off (SharePool::seal, eval's
-// handoff protocol): demote(), then evict(); `ids` (one per token of the
-// context, of whatever id type) keep the tokens that evict() kept.
+// handoff protocol): demote(), then evict(), then code_tail(); `ids` (one per
+// token of the context, of whatever id type) keep the tokens that evict() kept.
 template <class Id>
 void reduce_for_handoff(PooledKvCache& cache, std::vector<Id>& ids) {
   QKV_CHECK(static_cast<int>(ids.size()) == cache.size());
   cache.demote();
   const std::vector<std::pair<int, int>> kept = cache.evict();
+  cache.code_tail();
   if (kept.empty()) return;
   std::vector<Id> out;
   for (const auto& [begin, end] : kept) out.insert(out.end(), ids.begin() + begin, ids.begin() + end);

@@ -47,7 +47,7 @@ struct Descriptor {
   // (a newer producer), which sends the consumer to the text fallback.
   std::uint32_t k_codec = 0, v_codec = 0;
   std::uint32_t window = 0, sink = 0;
-  std::uint32_t format_flags = 0;  // bit 0: keys rotated, bit 1: values rotated, bits 2-3: KeyRope (1 keys=pre, 2 keys=block)
+  std::uint32_t format_flags = 0;  // bit 0: keys rotated, bit 1: values rotated, bits 2-3: KeyRope (1 keys=pre, 2 keys=block), bit 4: tail=cold
   ModelFingerprint fingerprint;
   std::uint64_t blocks_checksum = 0;  // XXH3-64 over the sealed blocks' XXH3-64 digests
   std::uint64_t table_checksum = 0;   // XXH3-64 of the block table (index, generation) pairs
