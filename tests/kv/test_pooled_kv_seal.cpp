@@ -266,15 +266,16 @@ TEST(PooledKvSeal, ColdTailCodesOnlyAPartlyFilledColdBlock) {
   ThreadPool threads(1);
   const KvShape s{2, 4, 2, 16};
   auto pool = KvPool::create(PoolConfig{s, 8, 8 << 20});
-  PooledKvCache full(pool, KvFormat::parse("int8:tail=cold"), 64);
-  run_pass(full, random_pass(s, 16, 3), 16, threads);
-  EXPECT_FALSE(full.code_tail());
-  PooledKvCache sunk(pool, KvFormat::parse("int8:sink=4:tail=cold"), 64);
-  run_pass(sunk, random_pass(s, 5, 3), 5, threads);
-  EXPECT_FALSE(sunk.code_tail());
-  PooledKvCache plain(pool, KvFormat::parse("int8"), 64);
-  run_pass(plain, random_pass(s, 5, 3), 5, threads);
-  EXPECT_FALSE(plain.code_tail());
+  const auto codes_tail = [&](const char* format, int n) {
+    PooledKvCache cache(pool, KvFormat::parse(format), 64);
+    run_pass(cache, random_pass(s, n, 3), n, threads);
+    return cache.code_tail();
+  };
+  EXPECT_TRUE(codes_tail("int8:tail=cold", 13));
+  EXPECT_FALSE(codes_tail("int8:tail=cold", 16));        // full
+  EXPECT_FALSE(codes_tail("int8:sink=4:tail=cold", 5));  // a sink's block
+  EXPECT_FALSE(codes_tail("int8", 5));
+  EXPECT_EQ(pool->counters().blocks_used, 0u);
   EXPECT_THROW(KvFormat::parse("f16:tail=cold"), Error);
   EXPECT_THROW(KvFormat::parse("int4:window=64:tail=cold"), Error);
   EXPECT_THROW(KvFormat::parse("int4:tail=warm"), Error);

@@ -44,6 +44,20 @@ class Handoff : public ::testing::Test {
     }
     return out;
   }
+  // The prompt, then more_ repeated, cut to n tokens.
+  std::vector<TokenId> prompt_of(std::size_t n) const {
+    std::vector<TokenId> ids = prompt_;
+    while (ids.size() < n) ids.insert(ids.end(), more_.begin(), more_.end());
+    ids.resize(n);
+    return ids;
+  }
+  // Both continue with more_ and then the same decoded tokens: the same logits, bit for bit.
+  void expect_same_continuation(Session& reference, Session& consumer) {
+    const auto want = continue_with(reference, more_);
+    const auto got = continue_with(consumer, more_);
+    ASSERT_EQ(want.size(), got.size());
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  }
   // The producer continuing itself: a fork of its own cache.
   std::unique_ptr<Session> producer_fork(const Session& s) {
     auto* c = dynamic_cast<const PooledKvCache*>(&s.cache());
@@ -84,9 +98,7 @@ TEST_F(Handoff, ContinuingIsIdenticalToTheProducerContinuingForEveryFormat) {
 TEST_F(Handoff, AMixedFormatShipsDemotedAndTheProducerKeepsItsPrecision) {
   const KvFormat f = KvFormat::parse("int8:lo=int2:top=0.25");
   auto producer = new_pooled_session(*pool_, *engine_, f, 512);
-  std::vector<TokenId> ids = prompt_;
-  while (ids.size() < 150) ids.insert(ids.end(), more_.begin(), more_.end());
-  ids.resize(150);  // 4 full blocks of 32 and a tail
+  const std::vector<TokenId> ids = prompt_of(150);  // 4 full blocks of 32 and a tail
   engine_->forward(*producer, ids);
   const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
   const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
@@ -120,9 +132,7 @@ TEST_F(Handoff, AMixedFormatShipsDemotedAndTheProducerKeepsItsPrecision) {
 TEST_F(Handoff, AColdTailShipsTheLastBlockCoded) {
   const KvFormat f = KvFormat::parse("int4:tail=cold");
   auto producer = new_pooled_session(*pool_, *engine_, f, 512);
-  std::vector<TokenId> ids = prompt_;
-  while (ids.size() < 150) ids.insert(ids.end(), more_.begin(), more_.end());
-  ids.resize(150);  // 4 full blocks of 32 and 22 tokens
+  const std::vector<TokenId> ids = prompt_of(150);  // 4 full blocks of 32 and 22 tokens
   engine_->forward(*producer, ids);
   const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
   const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
@@ -139,10 +149,7 @@ TEST_F(Handoff, AColdTailShipsTheLastBlockCoded) {
   EXPECT_EQ(last(*producer).k, hot_codec(f.k));
   auto reference = producer_fork(*producer);
   ASSERT_TRUE(dynamic_cast<PooledKvCache&>(reference->cache()).code_tail());
-  const auto want = continue_with(*reference, more_);
-  const auto got = continue_with(*r.session, more_);
-  ASSERT_EQ(want.size(), got.size());
-  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  expect_same_continuation(*reference, *r.session);
   pool_->release(d, "B");
   r.session.reset();
   reference.reset();
@@ -158,9 +165,7 @@ TEST_F(Handoff, AColdTailShipsTheLastBlockCoded) {
 TEST_F(Handoff, ABudgetShipsTheKeptBlocksAsSegments) {
   const KvFormat f = KvFormat::parse("int8:sink=32:budget=0.5");
   auto producer = new_pooled_session(*pool_, *engine_, f, 512);
-  std::vector<TokenId> ids = prompt_;
-  while (ids.size() < 300) ids.insert(ids.end(), more_.begin(), more_.end());
-  ids.resize(300);  // 9 full blocks of 32 and a tail of 12
+  const std::vector<TokenId> ids = prompt_of(300);  // 9 full blocks of 32 and a tail of 12
   engine_->forward(*producer, ids);
   const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
   const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
@@ -188,10 +193,7 @@ TEST_F(Handoff, ABudgetShipsTheKeptBlocksAsSegments) {
   }
   local->set_rope(engine_->rope());
   auto reference = std::make_unique<Session>(std::move(local), kept_ids);
-  const auto want = continue_with(*reference, more_);
-  const auto got = continue_with(*r.session, more_);
-  ASSERT_EQ(want.size(), got.size());
-  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  expect_same_continuation(*reference, *r.session);
   pool_->release(d, "B");
   r.session.reset();
   reference.reset();
@@ -217,9 +219,7 @@ TEST_F(Handoff, APqContextNamesItsCodebookAndContinuesExactly) {
   train_codebook(h, rows, rows, 256, how).save(path);
   const KvFormat f = KvFormat::parse("k8vpq2:book=" + path);
   auto producer = new_pooled_session(*pool_, *engine_, f, 512);
-  std::vector<TokenId> ids = prompt_;
-  while (ids.size() < 100) ids.insert(ids.end(), more_.begin(), more_.end());
-  ids.resize(100);  // three cold blocks of pq values
+  const std::vector<TokenId> ids = prompt_of(100);  // three cold blocks of pq values
   engine_->forward(*producer, ids);
   const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
   const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
@@ -230,10 +230,7 @@ TEST_F(Handoff, APqContextNamesItsCodebookAndContinuesExactly) {
   HandoffResult r = open_session(*pool_, *engine_, fp_, d, "B", {HandoffMode::kv});
   ASSERT_TRUE(r.kv);
   auto reference = producer_fork(*producer);
-  const auto want = continue_with(*reference, more_);
-  const auto got = continue_with(*r.session, more_);
-  ASSERT_EQ(want.size(), got.size());
-  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  expect_same_continuation(*reference, *r.session);
   // Another codebook id: the format is known but has no codebook here; the
   // record does not match it either, so the pool refuses the descriptor.
   Descriptor other = d;
@@ -272,10 +269,7 @@ TEST_F(Handoff, ASplicedContextIsSealedWithItsSegments) {
   ASSERT_TRUE(r.kv);
   EXPECT_EQ(r.session->tokens(), writer->tokens());
   auto reference = producer_fork(*writer);
-  const auto want = continue_with(*reference, more_);
-  const auto got = continue_with(*r.session, more_);
-  ASSERT_EQ(want.size(), got.size());
-  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  expect_same_continuation(*reference, *r.session);
   pool_->release(d, "R");
 }
 
