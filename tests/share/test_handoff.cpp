@@ -58,6 +58,13 @@ class Handoff : public ::testing::Test {
     ASSERT_EQ(want.size(), got.size());
     EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
   }
+  // Sealed by "A" and granted to "B" through the descriptor's bytes; the seal's own reference released.
+  Descriptor granted_to_b(const Session& producer) {
+    const SealedContext sealed = seal_session(*pool_, *engine_, fp_, producer, "A");
+    const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
+    pool_->release(sealed);
+    return d;
+  }
   // The producer continuing itself: a fork of its own cache.
   std::unique_ptr<Session> producer_fork(const Session& s) {
     auto* c = dynamic_cast<const PooledKvCache*>(&s.cache());
@@ -76,9 +83,7 @@ TEST_F(Handoff, ContinuingIsIdenticalToTheProducerContinuingForEveryFormat) {
   for (const char* format : {"f32", "f16", "int8", "int4", "k8v4", "int2:window=32:sink=4", "int4:rot=kv", "int4:keys=pre",
                              "int4:keys=block"}) {
     auto producer = produce(format);
-    const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
-    const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
-    pool_->release(sealed);
+    const Descriptor d = granted_to_b(*producer);
     HandoffResult r = open_session(*pool_, *engine_, fp_, d, "B", {HandoffMode::kv});
     ASSERT_TRUE(r.kv) << format;
     EXPECT_EQ(r.session->tokens(), producer->tokens());
@@ -100,9 +105,7 @@ TEST_F(Handoff, AMixedFormatShipsDemotedAndTheProducerKeepsItsPrecision) {
   auto producer = new_pooled_session(*pool_, *engine_, f, 512);
   const std::vector<TokenId> ids = prompt_of(150);  // 4 full blocks of 32 and a tail
   engine_->forward(*producer, ids);
-  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
-  const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
-  pool_->release(sealed);
+  const Descriptor d = granted_to_b(*producer);
   ASSERT_TRUE(d.format().has_value());
   EXPECT_EQ(*d.format(), f);
   HandoffResult r = open_session(*pool_, *engine_, fp_, d, "B", {HandoffMode::kv});
@@ -134,9 +137,7 @@ TEST_F(Handoff, AColdTailShipsTheLastBlockCoded) {
   auto producer = new_pooled_session(*pool_, *engine_, f, 512);
   const std::vector<TokenId> ids = prompt_of(150);  // 4 full blocks of 32 and 22 tokens
   engine_->forward(*producer, ids);
-  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
-  const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
-  pool_->release(sealed);
+  const Descriptor d = granted_to_b(*producer);
   ASSERT_TRUE(d.format().has_value());
   EXPECT_EQ(*d.format(), f);
   HandoffResult r = open_session(*pool_, *engine_, fp_, d, "B", {HandoffMode::kv});
@@ -167,9 +168,7 @@ TEST_F(Handoff, ABudgetShipsTheKeptBlocksAsSegments) {
   auto producer = new_pooled_session(*pool_, *engine_, f, 512);
   const std::vector<TokenId> ids = prompt_of(300);  // 9 full blocks of 32 and a tail of 12
   engine_->forward(*producer, ids);
-  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
-  const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
-  pool_->release(sealed);
+  const Descriptor d = granted_to_b(*producer);
   // What the producer's own context becomes when evicted here.
   auto local = dynamic_cast<const PooledKvCache&>(producer->cache()).fork();
   const auto kept = local->evict();
@@ -221,9 +220,7 @@ TEST_F(Handoff, APqContextNamesItsCodebookAndContinuesExactly) {
   auto producer = new_pooled_session(*pool_, *engine_, f, 512);
   const std::vector<TokenId> ids = prompt_of(100);  // three cold blocks of pq values
   engine_->forward(*producer, ids);
-  const SealedContext sealed = seal_session(*pool_, *engine_, fp_, *producer, "A");
-  const Descriptor d = Descriptor::decode(pool_->grant(sealed, "A", "B").encode());
-  pool_->release(sealed);
+  const Descriptor d = granted_to_b(*producer);
   EXPECT_EQ(d.codebook_id, f.book->id());
   ASSERT_TRUE(d.format());
   EXPECT_EQ(d.format()->book, f.book);
