@@ -71,6 +71,10 @@ class Handoff : public ::testing::Test {
     return std::make_unique<Session>(c->fork(), s.tokens());
   }
   std::uint32_t blocks_used() { return pool_->kv_pool_if_any()->counters().blocks_used; }
+  void expect_nothing_held() {
+    EXPECT_EQ(pool_->stats().contexts, 0);
+    EXPECT_EQ(blocks_used(), 0u);
+  }
 
   std::unique_ptr<Model> model_;
   ModelFingerprint fp_;
@@ -124,8 +128,7 @@ TEST_F(Handoff, AMixedFormatShipsDemotedAndTheProducerKeepsItsPrecision) {
   pool_->release(d, "B");
   r.session.reset();
   producer.reset();
-  EXPECT_EQ(pool_->stats().contexts, 0);
-  EXPECT_EQ(blocks_used(), 0u);
+  expect_nothing_held();
 }
 
 // tail=cold ships the partly filled block coded: the descriptor names the
@@ -155,8 +158,7 @@ TEST_F(Handoff, AColdTailShipsTheLastBlockCoded) {
   r.session.reset();
   reference.reset();
   producer.reset();
-  EXPECT_EQ(pool_->stats().contexts, 0);
-  EXPECT_EQ(blocks_used(), 0u);
+  expect_nothing_held();
 }
 
 // A format with a budget ships evicted: the record holds the kept runs of
@@ -197,8 +199,7 @@ TEST_F(Handoff, ABudgetShipsTheKeptBlocksAsSegments) {
   r.session.reset();
   reference.reset();
   producer.reset();
-  EXPECT_EQ(pool_->stats().contexts, 0);
-  EXPECT_EQ(blocks_used(), 0u);
+  expect_nothing_held();
 }
 
 // A pq context ships its codes and names its codebook by id: a consumer
@@ -240,8 +241,7 @@ TEST_F(Handoff, APqContextNamesItsCodebookAndContinuesExactly) {
   r.session.reset();
   reference.reset();
   producer.reset();
-  EXPECT_EQ(pool_->stats().contexts, 0);
-  EXPECT_EQ(blocks_used(), 0u);
+  expect_nothing_held();
 }
 
 // A spliced context (segments that start and end inside blocks, at moved
